@@ -1,0 +1,31 @@
+"""pipelab: understand pipeline parallelism by running it.
+
+    import pipelab as pl
+    model = pl.models.mlp(depth=8, width=256, seed=0)
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    result = pipe.step(x, y)        # result.loss, result.trace
+    pl.plot.timeline(result.trace)
+"""
+
+from . import microbatch, models, schedules
+from .actions import Action, Schedule
+from .errors import PipelineError, ScheduleError
+from .partition import Partition, split
+from .runtime.local import Pipeline, StepResult
+from .trace import Event, MemorySample, Trace
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):  # matplotlib is imported only when a plot is asked for
+    if name == "plot":
+        from . import plot
+
+        return plot
+    raise AttributeError(f"module 'pipelab' has no attribute {name!r}")
+
+
+__all__ = [
+    "Action", "Event", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
+    "StepResult", "Trace", "microbatch", "models", "plot", "schedules", "split",
+]

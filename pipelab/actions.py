@@ -1,0 +1,128 @@
+"""`Action` and `Schedule`: a pipeline schedule is a table of data.
+
+`Schedule.actions[d]` is the ordered list of actions device `d` performs in one
+training step.  An action is printed as ``2F0`` (stage 2, forward, micro-batch 0): the
+same text is the log line, the Chrome-trace name and, without the stage when it is the
+row's own, the cell of `Schedule.to_text()`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from .errors import ScheduleError
+
+KINDS = ("F", "B", "W")
+KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight-gradient"}
+_ACTION_RE = re.compile(r"^(\d+)?([FBW])(\d+)$")
+
+
+class Action(NamedTuple):
+    """One unit of work: `kind` ("F", "B" or "W") of `microbatch` through `stage`."""
+
+    kind: str
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.stage}{self.kind}{self.microbatch}"
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def describe(self) -> str:
+        """``"B(stage 2, mb 3)"`` — the form error messages use."""
+        return f"{self.kind}(stage {self.stage}, mb {self.microbatch})"
+
+    @classmethod
+    def from_str(cls, text: str, stage: int | None = None) -> "Action":
+        """Parse ``"2F0"``; ``"F0"`` is accepted when `stage` is given (a grid cell)."""
+        match = _ACTION_RE.match(text.strip())
+        if not match or (match.group(1) is None and stage is None):
+            raise ScheduleError(
+                f"cannot read {text!r} as an action: write stage, kind, micro-batch like '2F0' "
+                "(kind F = forward, B = backward, W = weight gradient)"
+            )
+        found_stage = int(match.group(1)) if match.group(1) is not None else stage
+        return cls(match.group(2), found_stage, int(match.group(3)))
+
+
+def dependencies(action: Action, n_stages: int) -> list[Action]:
+    """The actions whose results `action` needs (DESIGN.md, "a schedule is data").
+
+    F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i).
+    """
+    kind, stage, mb = action
+    if kind == "F":
+        return [Action("F", stage - 1, mb)] if stage > 0 else []
+    if kind == "B":
+        needs = [Action("F", stage, mb)]
+        if stage < n_stages - 1:
+            needs.append(Action("B", stage + 1, mb))
+        return needs
+    return [Action("B", stage, mb)]
+
+
+@dataclass
+class Schedule:
+    """What each device does, in order, in one training step.
+
+    `actions[d]` lists device d's actions.  For the schedules of the foundation each
+    stage has its own device (`actions[s]` holds stage s's actions); the format also
+    allows several stages on one device.
+    """
+
+    n_stages: int
+    n_microbatches: int
+    actions: list[list[Action]]
+    name: str = "custom"
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_devices(self) -> int:
+        return len(self.actions)
+
+    def all_actions(self) -> list[Action]:
+        return [a for row in self.actions for a in row]
+
+    def device_of_stage(self) -> dict[int, int]:
+        """Map each stage to the device that runs it (from where its actions are)."""
+        found: dict[int, int] = {}
+        for device, row in enumerate(self.actions):
+            for action in row:
+                found.setdefault(action.stage, device)
+        return found
+
+    def to_text(self) -> str:
+        """The schedule as a grid: one row per device, one column per time step.
+
+        Every action takes one time step and starts as soon as its inputs are ready; a
+        ``.`` is a step in which that device idles (the bubble).  A cell names the stage
+        only when it is not the row's own (``F3`` on row 2 means ``2F3``).
+        """
+        from .timing import unit_time_grid
+
+        return unit_time_grid(self)
+
+    @classmethod
+    def from_text(cls, text: str, name: str = "custom") -> "Schedule":
+        """Parse `to_text()` (or a hand-written grid) back into a Schedule.
+
+        Each non-empty line is one device, ``device 0 | F0 F1 . B0``; the part before
+        ``|`` is ignored, ``.`` cells are idle steps and are skipped.
+        """
+        rows = []
+        for line in text.strip("\n").splitlines():
+            if not line.strip():
+                continue
+            cells = line.split("|", 1)[-1].split()
+            device = len(rows)
+            rows.append([Action.from_str(c, stage=device) for c in cells if c != "."])
+        if not rows:
+            raise ScheduleError("the text holds no rows: write one line per device, like 'device 0 | F0 B0'")
+        all_actions = [a for row in rows for a in row]
+        n_stages = max((a.stage for a in all_actions), default=-1) + 1
+        n_microbatches = max((a.microbatch for a in all_actions), default=-1) + 1
+        return cls(max(n_stages, len(rows)), n_microbatches, rows, name=name)

@@ -1,0 +1,1 @@
+"""Interpreters that run a Schedule on real hardware."""

@@ -1,0 +1,55 @@
+"""Choose a device for every stage: one GPU each when there are enough, shared GPUs when fewer, else CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import PipelineError
+
+
+def assign_devices(devices, n_stages: int) -> list[torch.device]:
+    """Resolve `devices` ("auto", "cpu", "cuda", "cuda:1" or a list, one per stage) to one device per stage.
+
+    "auto" with g GPUs and p stages: stage s runs on cuda:s when g >= p, else on
+    cuda:floor(s * g / p) (neighbouring stages share a GPU); CPU when there is no GPU.
+    """
+    if isinstance(devices, str) and devices == "auto":
+        n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n_gpus == 0:
+            return [torch.device("cpu")] * n_stages
+        return [torch.device("cuda", s if n_gpus >= n_stages else s * n_gpus // n_stages) for s in range(n_stages)]
+    if isinstance(devices, (str, torch.device)):
+        chosen = [_parse(devices)] * n_stages
+    elif isinstance(devices, (list, tuple)):
+        if len(devices) != n_stages:
+            raise PipelineError(f"devices lists {len(devices)} devices for {n_stages} stages; give one per stage")
+        chosen = [_parse(d) for d in devices]
+    else:
+        raise TypeError(f"devices must be 'auto', a device name or a list of them, got {type(devices).__name__}")
+    for device in chosen:
+        _check_available(device)
+    return chosen
+
+
+def _parse(name) -> torch.device:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError) as error:
+        raise PipelineError(f"{name!r} is not a device name (try 'cpu', 'cuda' or 'cuda:0'): {error}") from None
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", 0)
+    return device
+
+
+def _check_available(device: torch.device) -> None:
+    if device.type == "cpu":
+        return
+    if device.type != "cuda":
+        raise PipelineError(f"pipelab runs stages on 'cpu' or 'cuda' devices, not {device.type!r}")
+    if not torch.cuda.is_available():
+        raise PipelineError(
+            f"{device} was asked for, but this torch sees no CUDA GPU (torch.cuda.is_available() is False); "
+            "use devices='cpu' or devices='auto'"
+        )
+    if device.index >= torch.cuda.device_count():
+        raise PipelineError(f"{device} was asked for, but only {torch.cuda.device_count()} GPU(s) are visible")

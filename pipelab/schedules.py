@@ -1,0 +1,202 @@
+"""Schedule generators and `validate`.
+
+A schedule is data (see `pipelab.actions`): the generators below only build tables, and
+`validate` checks any table — generated or written by hand — by running its dependencies.
+"""
+
+from __future__ import annotations
+
+from .actions import KINDS, Action, Schedule
+from .errors import ScheduleError
+from .timing import run_dependencies
+
+
+def _check_counts(n_stages, n_microbatches) -> None:
+    for name, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
+    """GPipe (fill-drain): every forward, then every backward (Huang et al. 2019, §2.3).
+
+    Each stage keeps the activations of all m micro-batches until its backwards start, so
+    peak in-flight micro-batches = m on every stage.  With uniform costs the idle share
+    of the step is (p-1)/(m+p-1).  p=4, m=8, every action one time step:
+
+        device 0 | F0 F1 F2 F3 F4 F5 F6 F7 .  .  .  .  .  .  B0 B1 B2 B3 B4 B5 B6 B7
+        device 1 | .  F0 F1 F2 F3 F4 F5 F6 F7 .  .  .  .  B0 B1 B2 B3 B4 B5 B6 B7 .
+        device 2 | .  .  F0 F1 F2 F3 F4 F5 F6 F7 .  .  B0 B1 B2 B3 B4 B5 B6 B7 .  .
+        device 3 | .  .  .  F0 F1 F2 F3 F4 F5 F6 F7 B0 B1 B2 B3 B4 B5 B6 B7 .  .  .
+    """
+    _check_counts(n_stages, n_microbatches)
+    actions = [
+        [Action("F", s, i) for i in range(n_microbatches)] + [Action("B", s, i) for i in range(n_microbatches)]
+        for s in range(n_stages)
+    ]
+    return Schedule(n_stages, n_microbatches, actions, name="gpipe")
+
+
+def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
+    """1F1B (PipeDream-Flush; Narayanan et al. 2021, PipeDream-2BW §3.2): warm-up, steady state, cool-down.
+
+    Stage s first runs w = min(p - s - 1, m) forwards (warm-up), then alternates one
+    forward and one backward (steady state), then runs the remaining backwards
+    (cool-down).  A micro-batch's activations are freed at its backward, so stage s
+    never holds more than min(p - s, m) micro-batches (DeepSpeed's `num_pipe_buffers`).
+    Same bubble as GPipe, (p-1)/(m+p-1), with far less memory.  p=4, m=8, one step each:
+
+        device 0 | F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7
+        device 1 | .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .
+        device 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
+        device 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
+    """
+    _check_counts(n_stages, n_microbatches)
+    actions = []
+    for s in range(n_stages):
+        warmup = min(n_stages - s - 1, n_microbatches)
+        row = [Action("F", s, i) for i in range(warmup)]
+        for i in range(n_microbatches - warmup):  # steady state: one forward, one backward
+            row += [Action("F", s, warmup + i), Action("B", s, i)]
+        row += [Action("B", s, i) for i in range(n_microbatches - warmup, n_microbatches)]  # cool-down
+        actions.append(row)
+    return Schedule(n_stages, n_microbatches, actions, name="1f1b")
+
+
+GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+
+
+def by_name(name: str, n_stages: int, n_microbatches: int) -> Schedule:
+    """Build the schedule called `name` ("gpipe", "1f1b")."""
+    key = name.lower().replace("-", "").replace("_", "")
+    aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "onefoneb": "1f1b", "pipedreamflush": "1f1b"}
+    if key not in aliases:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(GENERATORS)}")
+    return GENERATORS[aliases[key]](n_stages, n_microbatches)
+
+
+def validate(schedule: Schedule) -> Schedule:
+    """Check `schedule` and return it, or raise `ScheduleError` naming the first problem.
+
+    Checked in order: every entry is an Action with a known kind, stage and micro-batch;
+    no action appears twice; each stage runs on one device; every F and B (and W, when
+    the schedule splits the backward) is present; and the dependencies can all be met —
+    found by running them (`pipelab.timing`): a device whose next action waits for
+    something later in its own list, or a cycle of devices waiting on each other.
+    """
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"validate expects a pipelab Schedule, got {type(schedule).__name__}")
+    _check_counts(schedule.n_stages, schedule.n_microbatches)
+    if schedule.n_devices < 1:
+        raise ScheduleError("the schedule has no devices: actions must be a list with one list per device")
+    _check_entries(schedule)
+    _check_stage_placement(schedule)
+    _check_complete(schedule)
+    _check_dependencies(schedule)
+    return schedule
+
+
+def _check_entries(schedule: Schedule) -> None:
+    seen: dict[Action, tuple[int, int]] = {}
+    for device, row in enumerate(schedule.actions):
+        if not isinstance(row, (list, tuple)):
+            raise ScheduleError(f"device {device}'s actions must be a list, got {type(row).__name__}")
+        for position, action in enumerate(row):
+            where = f"device {device}, position {position}"
+            if not isinstance(action, Action):
+                raise ScheduleError(f"{where}: {action!r} is not an Action (build one with Action('F', stage, mb))")
+            if action.kind not in KINDS:
+                raise ScheduleError(f"{where}: unknown kind {action.kind!r}; kinds are F, B and W")
+            if not 0 <= action.stage < schedule.n_stages:
+                raise ScheduleError(
+                    f"{where}: {action} names stage {action.stage}, but the schedule has "
+                    f"{schedule.n_stages} stages (0..{schedule.n_stages - 1})"
+                )
+            if not 0 <= action.microbatch < schedule.n_microbatches:
+                raise ScheduleError(
+                    f"{where}: {action} names micro-batch {action.microbatch}, but the schedule has "
+                    f"{schedule.n_microbatches} micro-batches (0..{schedule.n_microbatches - 1})"
+                )
+            if action in seen:
+                first = seen[action]
+                raise ScheduleError(
+                    f"{action} ({action.describe()}) appears twice: device {first[0]} position {first[1]} "
+                    f"and {where}; each action runs exactly once"
+                )
+            seen[action] = (device, position)
+
+
+def _check_stage_placement(schedule: Schedule) -> None:
+    devices_of: dict[int, set[int]] = {}
+    for device, row in enumerate(schedule.actions):
+        for action in row:
+            devices_of.setdefault(action.stage, set()).add(device)
+    for stage, devices in sorted(devices_of.items()):
+        if len(devices) > 1:
+            raise ScheduleError(
+                f"stage {stage}'s actions are on devices {sorted(devices)}; a stage's weights live on one "
+                "device, so all its actions must be in that device's list"
+            )
+
+
+def _check_complete(schedule: Schedule) -> None:
+    present = set(schedule.all_actions())
+    kinds = ("F", "B", "W") if any(a.kind == "W" for a in present) else ("F", "B")
+    for stage in range(schedule.n_stages):
+        for mb in range(schedule.n_microbatches):
+            for kind in kinds:
+                action = Action(kind, stage, mb)
+                if action not in present:
+                    why = (
+                        "the schedule has W actions, so every B needs its W"
+                        if kind == "W"
+                        else "every micro-batch needs a forward and a backward on every stage"
+                    )
+                    raise ScheduleError(f"missing action {action} ({action.describe()}): {why}")
+
+
+def _check_dependencies(schedule: Schedule) -> None:
+    timing = run_dependencies(schedule, duration=lambda a: 1.0)
+    if not timing.stuck:
+        return
+    device_of = {a: d for d, row in enumerate(schedule.actions) for a in row}
+    position = {a: i for row in schedule.actions for i, a in enumerate(row)}
+    # Each stuck device waits on an action of a stuck device: follow the waits to a cycle.
+    device, path = min(timing.stuck), []
+    while device not in path:
+        path.append(device)
+        device = device_of[timing.stuck[device][1]]
+    cycle = path[path.index(device):]
+    if len(cycle) == 1:
+        action, needed = timing.stuck[device]
+        raise ScheduleError(
+            f"device {device} runs {action} ({action.describe()}) at position {position[action]}, but it needs "
+            f"{needed} ({needed.describe()}), which comes later in the same list (position {position[needed]}): "
+            f"{_why(action, needed)}"
+        )
+    waits = []
+    for d in cycle:
+        action, needed = timing.stuck[d]
+        other = device_of[needed]
+        before = schedule.actions[other][timing_index(schedule, timing, other)]
+        waits.append(
+            f"device {d} waits at {action} for {needed} from device {other}, which is still stuck at {before}"
+        )
+    raise ScheduleError("deadlock, a cycle of waits between devices: " + "; ".join(waits))
+
+
+def timing_index(schedule: Schedule, timing, device: int) -> int:
+    """Position of the first action of `device` that never ran."""
+    return next(i for i, a in enumerate(schedule.actions[device]) if a not in timing.end)
+
+
+def _why(action: Action, needed: Action) -> str:
+    if action.kind == "B" and needed.kind == "F":
+        return "a backward needs its own forward first"
+    if action.kind == "F":
+        return "a forward needs the previous stage's forward of the same micro-batch (its input)"
+    if action.kind == "B":
+        return "a backward needs the next stage's backward of the same micro-batch (its gradient)"
+    return "a weight-gradient step needs its backward first"

@@ -1,0 +1,170 @@
+"""`Trace`: what ran when (and how much memory it held) in one pipelined step.
+
+Every interpreter — the simulator, the local engine, the distributed engine — returns a
+Trace, so metrics, plots and exports are written once.  `source` says where the times
+came from:
+
+- "simulated": a cost model (`pl.simulate`);
+- "measured": wall clock, one device per stage (CUDA events, or one process per rank);
+- "replayed": every op really ran and was timed, but several stages shared one device
+  (all of them on a CPU), so the measured durations are replayed on one virtual clock
+  per stage: the timeline the step would have with one device per stage.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .actions import Action
+
+SOURCE_LABELS = {
+    "simulated": "simulated (cost model)",
+    "measured": "measured (wall clock, one device per stage)",
+    "replayed": "measured op times, replayed on one virtual clock per stage",
+}
+
+
+@dataclass(frozen=True)
+class Event:
+    stage: int
+    kind: str
+    microbatch: int
+    start: float  # seconds from the start of the step
+    end: float
+    device: int
+
+    @property
+    def action(self) -> Action:
+        return Action(self.kind, self.stage, self.microbatch)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class MemorySample:
+    device: int
+    time: float  # seconds
+    bytes: int  # activation bytes held on `device` from `time` on
+    what: str = "activations"  # or "allocated" (torch.cuda.memory_allocated)
+
+
+@dataclass
+class Trace:
+    events: list[Event]
+    memory: list[MemorySample]
+    source: str
+    n_stages: int
+    n_microbatches: int
+    n_devices: int
+    schedule_name: str = "custom"
+    device_names: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCE_LABELS:
+            raise ValueError(f"Trace.source must be one of {sorted(SOURCE_LABELS)}, got {self.source!r}")
+
+    @property
+    def source_label(self) -> str:
+        return SOURCE_LABELS[self.source]
+
+    @property
+    def makespan(self) -> float:
+        """Seconds from the first action's start to the last action's end."""
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    @property
+    def busy_time(self) -> list[float]:
+        """Seconds each device spends computing."""
+        busy = [0.0] * self.n_devices
+        for e in self.events:
+            busy[e.device] += e.duration
+        return busy
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step: 1 - sum(busy) / (devices x makespan).
+
+        For GPipe and 1F1B with uniform stages and no communication this is
+        (p-1)/(m+p-1) (GPipe §2.3; Megatron-LM SC21 §2.2.1).
+        """
+        if self.makespan == 0:
+            return 0.0
+        return 1.0 - sum(self.busy_time) / (self.n_devices * self.makespan)
+
+    @property
+    def peak_inflight(self) -> list[int]:
+        """Most micro-batches whose activations a stage holds at once (forward started, backward not done).
+
+        A micro-batch enters at the start of its F and leaves at the end of its last
+        backward action (B, or W when the backward is split).
+        """
+        last_backward: dict[tuple[int, int], Event] = {}
+        for e in self.events:
+            if e.kind in ("B", "W"):
+                key = (e.stage, e.microbatch)
+                if key not in last_backward or e.end > last_backward[key].end:
+                    last_backward[key] = e
+        changes: list[tuple[float, int, int]] = []  # (time, +1/-1, stage); leaving sorts first at ties
+        for e in self.events:
+            if e.kind == "F":
+                changes.append((e.start, 1, e.stage))
+        for (stage, _), e in last_backward.items():
+            changes.append((e.end, -1, stage))
+        held, peak = [0] * self.n_stages, [0] * self.n_stages
+        for _, delta, stage in sorted(changes):
+            held[stage] += delta
+            peak[stage] = max(peak[stage], held[stage])
+        return peak
+
+    def memory_curve(self, device: int, what: str = "activations") -> tuple[list[float], list[int]]:
+        """(times, bytes) of one device's memory samples, in time order."""
+        samples = sorted((s for s in self.memory if s.device == device and s.what == what), key=lambda s: s.time)
+        return [s.time for s in samples], [s.bytes for s in samples]
+
+    @property
+    def peak_memory(self) -> list[int]:
+        """Peak activation bytes held on each device during the step."""
+        peak = [0] * self.n_devices
+        for s in self.memory:
+            if s.what == "activations":
+                peak[s.device] = max(peak[s.device], s.bytes)
+        return peak
+
+    def durations(self) -> dict[Action, float]:
+        """Seconds each action took: feed them back to the simulator to replay this step."""
+        return {e.action: e.duration for e in self.events}
+
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Write the trace as Chrome trace-event JSON (open in Perfetto or chrome://tracing).
+
+        One track per device ("X" complete events, microseconds) plus a counter track of
+        activation bytes per device.
+        """
+        origin = min((e.start for e in self.events), default=0.0)
+        records = []
+        for device in range(self.n_devices):
+            name = self.device_names[device] if device < len(self.device_names) else f"device {device}"
+            records.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": device,
+                            "args": {"name": f"device {device} ({name})"}})
+        for e in self.events:
+            records.append({
+                "name": f"{e.kind}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": 0, "tid": e.device,
+                "ts": (e.start - origin) * 1e6, "dur": e.duration * 1e6,
+                "args": {"stage": e.stage, "microbatch": e.microbatch, "action": str(e.action)},
+            })
+        for s in sorted(self.memory, key=lambda s: s.time):
+            records.append({"name": f"{s.what} bytes, device {s.device}", "ph": "C", "pid": 0,
+                            "ts": (s.time - origin) * 1e6, "args": {"bytes": s.bytes}})
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"source": self.source_label, "schedule": self.schedule_name, "n_stages": self.n_stages,
+                "n_microbatches": self.n_microbatches, "makespan_s": self.makespan,
+                "bubble_fraction": self.bubble_fraction}
+        path.write_text(json.dumps({"traceEvents": records, "displayTimeUnit": "ms", "otherData": meta}))
+        return path
