@@ -17,11 +17,11 @@ from .trace import Event, MemorySample, Trace
 __version__ = "0.1.0"
 
 
-def __getattr__(name):  # matplotlib is imported only when a plot is asked for
-    if name == "plot":
-        from . import plot
+def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked for
+    if name in ("plot", "widgets"):
+        import importlib
 
-        return plot
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'pipelab' has no attribute {name!r}")
 
 

@@ -78,6 +78,7 @@ class Pipeline:
         for stage, device in zip(self.partition.stages, self.devices):
             stage.to(device)
         self.parameters = [list(stage.parameters()) for stage in self.partition.stages]
+        self._warm = False
         self.order = run_dependencies(self.schedule, duration=lambda a: 1.0).order
         device_of_stage = self.schedule.device_of_stage()
         self.wall_clock = (
@@ -107,6 +108,8 @@ class Pipeline:
             raise ValueError(f"inputs hold {total} samples but targets hold {microbatch.batch_size(targets)}")
         input_chunks = microbatch.split(inputs, self.n_microbatches)
         target_chunks = microbatch.split(targets, self.n_microbatches)
+        if not self._warm:
+            self._warm_up(input_chunks[0], target_chunks[0])
         weights = [size / total for size in microbatch.sizes(total, self.n_microbatches)]
         last = self.n_stages - 1
         received: dict[tuple[int, int], Any] = {}  # (stage, mb) -> activation that arrived
@@ -146,6 +149,27 @@ class Pipeline:
         losses = [float(loss) for loss in losses]
         loss = sum(w * l for w, l in zip(weights, losses))
         return StepResult(loss, trace, losses, wall_seconds, sum(trace.durations().values()))
+
+    def _warm_up(self, inputs: Any, targets: Any) -> None:
+        """Run one micro-batch forward and backward once, untimed, leaving `.grad` untouched.
+
+        PyTorch initialises kernels lazily: the first backward of some ops costs hundreds
+        of milliseconds, which would otherwise show up as one giant action in the trace.
+        """
+        x = _to(inputs, self.devices[0])
+        last = self.n_stages - 1
+        for s, (stage, device) in enumerate(zip(self.partition.stages, self.devices)):
+            inp = x.to(device) if isinstance(x, torch.Tensor) else x
+            if s > 0 and isinstance(inp, torch.Tensor) and inp.is_floating_point():
+                inp = inp.detach().requires_grad_(True)
+            out = stage(inp)
+            if s == last:
+                out = self.loss_fn(out, _to(targets, device))
+            wrt = [t for t in [inp, *self.parameters[s]] if isinstance(t, torch.Tensor) and t.requires_grad]
+            if wrt:
+                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+            x = out.detach()
+        self._warm = True
 
     def _trace(self, clock: "_Clock", saved_bytes: dict, allocated: dict) -> Trace:
         durations = clock.durations()

@@ -1,0 +1,103 @@
+"""Pictures of a Trace: the timeline (who computes what, when) and memory over time.
+
+The same colours everywhere: forward blue, backward orange, weight-gradient green;
+idle time is hatched grey, so the bubble is what you see.
+"""
+
+from __future__ import annotations
+
+import matplotlib
+
+if matplotlib.get_backend().lower() not in ("module://matplotlib_inline.backend_inline", "widget", "ipympl"):
+    matplotlib.use("Agg")  # scripts and tests draw to files; notebooks keep their inline backend
+
+import matplotlib.pyplot as plt
+from matplotlib.patches import Patch
+
+from .trace import Trace
+
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+IDLE = "#EEEEEE"
+
+
+def _time_unit(span: float, source: str) -> tuple[float, str]:
+    if source == "simulated" and span >= 1:
+        return 1.0, "time (cost-model units)"
+    return (1e3, "time (ms)") if span < 10 else (1.0, "time (s)")
+
+
+def timeline(trace: Trace, ax=None, title: str | None = None, label_microbatches: bool = True):
+    """Draw `trace` as a Gantt chart: one row per device (device 0 on top), idle hatched.
+
+    Returns the matplotlib Figure.  The title gives the schedule, p, m, where the times
+    came from (simulated / measured / replayed) and the bubble fraction.
+    """
+    if not isinstance(trace, Trace):
+        raise TypeError(f"timeline expects a pipelab Trace, got {type(trace).__name__}")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 0.55 * trace.n_devices + 1.6))
+    else:
+        fig = ax.figure
+    origin = min((e.start for e in trace.events), default=0.0)
+    scale, unit = _time_unit(trace.makespan, trace.source)
+    span = trace.makespan * scale
+    for device in range(trace.n_devices):
+        ax.barh(device, span, left=0, height=0.8, color=IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0)
+    for e in trace.events:
+        left, width = (e.start - origin) * scale, e.duration * scale
+        ax.barh(e.device, width, left=left, height=0.8, color=COLORS[e.kind], edgecolor="white", linewidth=0.6)
+        if label_microbatches and span > 0 and width / span > 0.012:
+            ax.text(left + width / 2, e.device, str(e.microbatch), ha="center", va="center",
+                    fontsize=8 if width / span > 0.025 else 6, color="white")
+    ax.set_yticks(range(trace.n_devices))
+    ax.set_yticklabels([_device_label(trace, d) for d in range(trace.n_devices)])
+    ax.invert_yaxis()
+    ax.set_xlim(0, span if span > 0 else 1)
+    ax.set_xlabel(unit)
+    kinds = sorted({e.kind for e in trace.events}, key="FBW".index)
+    handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in kinds]
+    handles.append(Patch(facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", label="idle (bubble)"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * (6 - min(trace.n_devices, 6))),
+              ncol=len(handles), frameon=False, fontsize=8)
+    if title is None:
+        title = (f"{trace.schedule_name}: p={trace.n_stages} stages, m={trace.n_microbatches} micro-batches — "
+                 f"{trace.source_label}\nbubble {trace.bubble_fraction:.1%} of {trace.n_devices} devices x "
+                 f"{span:.3g} {unit.split('(')[1].rstrip(')')}")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _device_label(trace: Trace, device: int) -> str:
+    if device < len(trace.device_names) and trace.device_names[device] not in ("cpu",):
+        return f"device {device} ({trace.device_names[device]})"
+    return f"device {device}"
+
+
+def memory(trace: Trace, ax=None, title: str | None = None):
+    """Activation bytes held on each device over the step, one line per device, peaks marked."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"memory expects a pipelab Trace, got {type(trace).__name__}")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 3.5))
+    else:
+        fig = ax.figure
+    origin = min((e.start for e in trace.events), default=0.0)
+    scale, unit = _time_unit(trace.makespan, trace.source)
+    peaks = trace.peak_memory
+    for device in range(trace.n_devices):
+        times, values = trace.memory_curve(device)
+        if not times:
+            continue
+        xs = [(t - origin) * scale for t in times] + [trace.makespan * scale]
+        ys = [v / 2**20 for v in values] + [values[-1] / 2**20]
+        line, = ax.step(xs, ys, where="post", label=f"device {device} (peak {peaks[device] / 2**20:.2f} MiB)")
+        top = max(range(len(values)), key=values.__getitem__)
+        ax.plot(xs[top], ys[top], "o", color=line.get_color())
+    ax.set_xlabel(unit)
+    ax.set_ylabel("activation memory (MiB)")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.set_title(title or f"{trace.schedule_name}: activations kept for backward — {trace.source_label}", fontsize=10)
+    fig.tight_layout()
+    return fig
