@@ -163,6 +163,7 @@ class Pipeline:
             if s > 0 and isinstance(inp, torch.Tensor) and inp.is_floating_point():
                 inp = inp.detach().requires_grad_(True)
             out = stage(inp)
+            stage_ops.check_activation(out)
             if s == last:
                 out = self.loss_fn(out, _to(targets, device))
             wrt = [t for t in [inp, *self.parameters[s]] if isinstance(t, torch.Tensor) and t.requires_grad]

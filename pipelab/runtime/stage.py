@@ -69,11 +69,14 @@ def forward(stage: nn.Module, received: Any, parameters: list[torch.Tensor], is_
             if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
                 raise TypeError("loss_fn must return a scalar tensor (the mean loss of the micro-batch)")
             output = loss * weight
-    if loss_fn is None and not isinstance(output, torch.Tensor):
-        raise TypeError(
-            f"a stage returned {type(output).__name__}; pipelab passes one tensor between stages"
-        )
+    if loss_fn is None:
+        check_activation(output)
     return InFlight(inp, output, counter.bytes, loss)
+
+
+def check_activation(output: Any) -> None:
+    if not isinstance(output, torch.Tensor):
+        raise TypeError(f"a stage returned {type(output).__name__}; pipelab passes one tensor between stages")
 
 
 def backward(kept: InFlight, grad_output: torch.Tensor | None) -> torch.Tensor | None:

@@ -1,0 +1,147 @@
+"""The local engine's trace, memory accounting and error messages."""
+
+import pytest
+import torch
+from torch import nn
+
+import pipelab as pl
+from pipelab.timing import run_dependencies
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(schedule="1f1b", n_stages=4, n_microbatches=8, batch=32, width=32):
+    model = pl.models.mlp(depth=8, width=width, seed=0)
+    x, y = pl.models.sample_batch(model, batch)
+    pipe = pl.Pipeline(model, n_stages, n_microbatches, schedule, nn.MSELoss(), devices="cpu")
+    return pipe, pipe.step(x, y)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_trace_on_cpu_is_replayed_and_complete(schedule):
+    pipe, result = run(schedule)
+    trace = result.trace
+    assert trace.source == "replayed" and "virtual clock" in trace.source_label
+    actions = sorted(str(e.action) for e in trace.events)
+    assert actions == sorted(str(a) for a in pipe.schedule.all_actions())
+    assert all(e.duration > 0 for e in trace.events)
+    # Each device runs its actions in the schedule's order, never two at once.
+    for device, row in enumerate(pipe.schedule.actions):
+        events = sorted((e for e in trace.events if e.device == device), key=lambda e: e.start)
+        assert [e.action for e in events] == row
+        assert all(a.end <= b.start + 1e-12 for a, b in zip(events, events[1:]))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_replaying_the_measured_durations_reproduces_the_trace(schedule):
+    pipe, result = run(schedule)
+    durations = result.trace.durations()
+    timing = run_dependencies(pipe.schedule, duration=durations.__getitem__)
+    assert timing.makespan == pytest.approx(result.trace.makespan, rel=1e-12)
+    # and the host really ran every op: the step's wall time covers the summed op times
+    assert result.wall_seconds >= result.op_seconds
+
+
+@pytest.mark.parametrize("n_stages,n_microbatches", [(4, 8), (4, 2), (3, 7)])
+def test_peak_inflight_matches_theory(n_stages, n_microbatches):
+    _, gpipe = run("gpipe", n_stages, n_microbatches)
+    _, ofob = run("1f1b", n_stages, n_microbatches)
+    assert gpipe.trace.peak_inflight == [n_microbatches] * n_stages
+    assert ofob.trace.peak_inflight == [min(n_stages - s, n_microbatches) for s in range(n_stages)]
+
+
+def test_activation_memory_counts_saved_tensors_and_frees_them():
+    _, gpipe = run("gpipe", 4, 8, batch=32, width=32)
+    _, ofob = run("1f1b", 4, 8, batch=32, width=32)
+    # Stage 0 holds two blocks of Linear(32,32) + GELU: autograd saves each Linear's input and
+    # each GELU's input, four (4 samples x 32) fp32 tensors per micro-batch.
+    per_microbatch = 4 * (4 * 32 * 4)
+    assert ofob.trace.peak_memory[0] == 4 * per_microbatch  # min(p, m) = 4 micro-batches
+    assert gpipe.trace.peak_memory[0] == 8 * per_microbatch  # all m = 8
+    for trace in (gpipe.trace, ofob.trace):
+        for device in range(trace.n_devices):
+            assert trace.memory_curve(device)[1][-1] == 0  # everything freed by the end of the step
+
+
+def test_memory_excludes_parameters():
+    class SquaredWeight(nn.Module):  # W ** 2 saves W itself for backward: a parameter, not an activation
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(64, 64))
+
+        def forward(self, x):
+            return x + (self.weight ** 2).sum()
+
+    model = nn.Sequential(SquaredWeight(), nn.Linear(8, 8))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    trace = pl.Pipeline(model, 2, 2, "gpipe", nn.MSELoss(), devices="cpu").step(x, y).trace
+    assert trace.peak_memory[0] == 0
+    assert trace.peak_memory[1] > 0  # stage 1 saves its input (and MSE its operands)
+
+
+def test_chrome_trace_and_timeline_from_a_real_step(tmp_path):
+    _, result = run()
+    path = result.trace.to_chrome_trace(tmp_path / "step.json")
+    import json
+
+    data = json.loads(path.read_text())
+    names = {e["name"] for e in data["traceEvents"] if e["ph"] == "X"}
+    assert {"F0", "B7"} <= names
+    fig = pl.plot.timeline(result.trace)
+    assert "replayed" in fig.axes[0].get_title()
+
+
+def test_bad_inputs_get_clear_errors():
+    model = pl.models.mlp(depth=4, width=8)
+    x, y = pl.models.sample_batch(model, 6)
+    with pytest.raises(TypeError, match="loss_fn"):
+        pl.Pipeline(model, 2, 2, "1f1b", None)
+    with pytest.raises(pl.PipelineError, match="reduction='mean'"):
+        pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(reduction="sum"))
+    with pytest.raises(ValueError, match="n_microbatches"):
+        pl.Pipeline(model, 2, 0, "1f1b", nn.MSELoss())
+    with pytest.raises(ValueError, match="cannot cut 4 blocks into 5 stages"):
+        pl.Pipeline(model, 5, 2, "1f1b", nn.MSELoss())
+    with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
+        pl.Pipeline(model, 2, 2, "zigzag", nn.MSELoss())
+    with pytest.raises(pl.PipelineError, match="3 stages x 2 micro-batches"):
+        pl.Pipeline(model, 2, 2, pl.schedules.gpipe(3, 2), nn.MSELoss())
+    broken = pl.schedules.gpipe(2, 2)
+    broken.actions[1].remove(pl.Action("B", 1, 1))
+    with pytest.raises(pl.ScheduleError, match="1B1"):
+        pl.Pipeline(model, 2, 2, broken, nn.MSELoss())
+    split_backward = pl.schedules.gpipe(2, 1)
+    for row in split_backward.actions:
+        row.append(pl.Action("W", row[0].stage, 0))
+    with pytest.raises(pl.PipelineError, match="splits the backward"):
+        pl.Pipeline(model, 2, 1, split_backward, nn.MSELoss())
+    pipe = pl.Pipeline(model, 2, 8, "1f1b", nn.MSELoss(), devices="cpu")
+    with pytest.raises(ValueError, match="batch of 6 samples into 8"):
+        pipe.step(x, y)
+    pipe = pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(), devices="cpu")
+    with pytest.raises(ValueError, match="targets hold 5"):
+        pipe.step(x, y[:5])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown when there is no GPU")
+def test_asking_for_cuda_without_a_gpu_says_so():
+    model = pl.models.mlp(depth=4, width=8)
+    with pytest.raises(pl.PipelineError, match="no CUDA GPU"):
+        pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(), devices="cuda")
+
+
+def test_a_stage_that_returns_a_tuple_is_refused_clearly():
+    class Pair(nn.Module):
+        def forward(self, x):
+            return x, x
+
+    model = nn.Sequential(Pair(), nn.Identity())
+    pipe = pl.Pipeline(model, 2, 1, "gpipe", nn.MSELoss(), devices="cpu")
+    with pytest.raises(TypeError, match="one tensor between stages"):
+        pipe.step(torch.randn(2, 3), torch.randn(2, 3))

@@ -1,0 +1,45 @@
+"""The timeline shows every action, idle time, and says where its times came from."""
+
+import matplotlib.colors as mcolors
+import pytest
+
+import pipelab as pl
+from pipelab.trace import Event, MemorySample, Trace
+
+
+def two_device_trace(source="replayed"):
+    events = [Event(0, "F", 0, 0.0, 1.0, 0), Event(1, "F", 0, 1.0, 2.0, 1),
+              Event(1, "B", 0, 2.0, 4.0, 1), Event(0, "B", 0, 4.0, 6.0, 0)]
+    memory = [MemorySample(0, 1.0, 100), MemorySample(0, 6.0, 0), MemorySample(1, 2.0, 50), MemorySample(1, 4.0, 0)]
+    return Trace(events, memory, source, 2, 1, 2, "gpipe")
+
+
+def test_timeline_draws_each_action_in_its_row_and_colour():
+    trace = two_device_trace()
+    ax = pl.plot.timeline(trace).axes[0]
+    bars = [p for p in ax.patches if p.get_facecolor()[:3] == mcolors.to_rgb(pl.plot.COLORS["F"])
+            or p.get_facecolor()[:3] == mcolors.to_rgb(pl.plot.COLORS["B"])]
+    assert len(bars) == 4
+    idle = [p for p in ax.patches if p.get_hatch()]
+    assert len(idle) == 2  # one hatched background per device: the gaps show as idle
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["device 0", "device 1"]
+    title = ax.get_title()
+    assert "replayed" in title and "bubble 50.0%" in title  # busy 3 + 3 of 2 x 6
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert labels == ["forward", "backward", "idle (bubble)"]
+
+
+def test_timeline_title_says_simulated():
+    assert "simulated" in pl.plot.timeline(two_device_trace("simulated")).axes[0].get_title()
+
+
+def test_memory_plot_marks_peaks():
+    ax = pl.plot.memory(two_device_trace()).axes[0]
+    assert "peak" in ax.get_legend().get_texts()[0].get_text()
+
+
+def test_plots_refuse_non_traces():
+    with pytest.raises(TypeError, match="Trace"):
+        pl.plot.timeline([1, 2])
+    with pytest.raises(TypeError, match="Trace"):
+        pl.plot.memory(None)
