@@ -101,3 +101,35 @@ def memory(trace: Trace, ax=None, title: str | None = None):
     ax.set_title(title or f"{trace.schedule_name}: activations kept for backward — {trace.source_label}", fontsize=10)
     fig.tight_layout()
     return fig
+
+
+def partition(parts, ax=None, title: str | None = None):
+    """Bar chart of per-block costs, coloured by stage, with each stage's total: where the cuts fall.
+
+    `parts` is a `pl.split` result.  The slowest (most expensive) stage is named in the title:
+    in a pipeline it sets the pace of every other stage.
+    """
+    from .partition import Partition
+
+    if not isinstance(parts, Partition):
+        raise TypeError(f"partition expects the result of pl.split, got {type(parts).__name__}")
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(10, 3.2))
+    else:
+        fig = ax.figure
+    cmap = plt.get_cmap("tab10")
+    totals = parts.stage_costs
+    for s, (a, b) in enumerate(parts.bounds):
+        ax.bar(range(a, b), parts.block_costs[a:b], color=cmap(s % 10), edgecolor="white",
+               label=f"stage {s}: blocks {a}..{b - 1}, cost {totals[s]:.3g}")
+    unit = {"uniform": "blocks", "params": "parameters", "time": "seconds (forward + backward)"}[parts.method]
+    ax.set_xlabel("block")
+    ax.set_ylabel(f"cost per block ({unit})")
+    ax.set_xticks(range(len(parts.block_costs)))
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    slowest = max(range(len(totals)), key=totals.__getitem__)
+    balance = min(totals) / max(totals) if max(totals) > 0 else 1.0
+    ax.set_title(title or f"split by {parts.method!r} into {len(parts)} stages: heaviest is stage {slowest}, "
+                          f"lightest/heaviest = {balance:.2f}", fontsize=10)
+    fig.tight_layout()
+    return fig

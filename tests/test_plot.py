@@ -43,3 +43,14 @@ def test_plots_refuse_non_traces():
         pl.plot.timeline([1, 2])
     with pytest.raises(TypeError, match="Trace"):
         pl.plot.memory(None)
+
+
+def test_partition_plot_colours_each_stage_and_names_the_heaviest():
+    model = pl.models.mlp(depth=6, width=8)
+    parts = pl.split(model, 3, "params")
+    ax = pl.plot.partition(parts).axes[0]
+    assert len(ax.patches) == 6
+    assert len({p.get_facecolor() for p in ax.patches}) == 3
+    assert "heaviest is stage" in ax.get_title()
+    with pytest.raises(TypeError, match="pl.split"):
+        pl.plot.partition(model)
