@@ -23,9 +23,15 @@ def _check_positive(**values) -> None:
 def mlp(depth: int = 8, width: int = 256, seed: int = 0, in_features: int | None = None,
         out_features: int | None = None) -> nn.Sequential:
     """`depth` blocks of Linear + GELU (the last block is a plain Linear) — the source text's "8 layers"."""
-    _check_positive(depth=depth, width=width)
-    in_features, out_features = in_features or width, out_features or width
-    torch.manual_seed(seed)
+    in_features = width if in_features is None else in_features
+    out_features = width if out_features is None else out_features
+    _check_positive(depth=depth, width=width, in_features=in_features, out_features=out_features)
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return _mlp_blocks(depth, width, in_features, out_features)
+
+
+def _mlp_blocks(depth: int, width: int, in_features: int, out_features: int) -> nn.Sequential:
     blocks = []
     for i in range(depth):
         fan_in = in_features if i == 0 else width
@@ -46,6 +52,13 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"tiny_gpt expects integer token ids, got a {ids.dtype} tensor")
+        if ids.dim() != 2:
+            raise ValueError(f"tiny_gpt expects token ids shaped (batch, seq), got shape {tuple(ids.shape)}")
+        if ids.shape[1] > self.position.num_embeddings:
+            raise ValueError(f"the sequence has {ids.shape[1]} tokens but the model's seq_len is {self.position.num_embeddings}")
+        if ids.numel() and (ids.min() < 0 or ids.max() >= self.token.num_embeddings):
+            raise ValueError(f"token ids must lie in 0..{self.token.num_embeddings - 1} (vocab_size "
+                             f"{self.token.num_embeddings}), got {int(ids.min())}..{int(ids.max())}")
         positions = torch.arange(ids.shape[1], device=ids.device)
         return self.token(ids) + self.position(positions)
 
@@ -93,11 +106,12 @@ def tiny_gpt(n_layers: int = 4, d_model: int = 64, n_heads: int = 4, vocab_size:
     Input (batch, seq) token ids, output (batch, seq, vocab) logits; train with `lm_loss`.
     """
     _check_positive(n_layers=n_layers, d_model=d_model, n_heads=n_heads, vocab_size=vocab_size, seq_len=seq_len)
-    torch.manual_seed(seed)
-    blocks = [Embedding(vocab_size, seq_len, d_model)]
-    blocks += [TransformerBlock(d_model, n_heads) for _ in range(n_layers)]
-    blocks.append(LMHead(d_model, vocab_size))
-    return nn.Sequential(*blocks)
+    with torch.random.fork_rng():  # seed the model without touching the caller's random state
+        torch.manual_seed(seed)
+        blocks = [Embedding(vocab_size, seq_len, d_model)]
+        blocks += [TransformerBlock(d_model, n_heads) for _ in range(n_layers)]
+        blocks.append(LMHead(d_model, vocab_size))
+        return nn.Sequential(*blocks)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -12,6 +12,7 @@ solved exactly by dynamic programming in O(p n^2) (a greedy fill can be far off)
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -44,13 +45,13 @@ def balanced_bounds(costs: Sequence[float], n_stages: int) -> list[tuple[int, in
     """The contiguous cut of `costs` into `n_stages` non-empty stages with the smallest maximum stage cost.
 
     best[k][j] = min over i < j of max(best[k-1][i], cost(i..j)): the cheapest way to put
-    blocks 0..j-1 on k stages.  Among equally good cuts the earliest one is kept.
+    blocks 0..j-1 on k stages.  Ties are broken deterministically (the first cut found).
     """
     costs = [float(c) for c in costs]
     n = len(costs)
     _check_stage_count(n_stages, n)
-    if any(c < 0 for c in costs):
-        raise ValueError(f"costs must not be negative, got {costs}")
+    if not all(math.isfinite(c) and c >= 0 for c in costs):
+        raise ValueError(f"costs must be finite and non-negative, got {costs}")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)
@@ -101,7 +102,9 @@ def parameter_counts(model: nn.Sequential) -> list[float]:
 def measured_times(model: nn.Sequential, sample: Any, repeats: int = 5) -> list[float]:
     """Median forward + backward seconds of each block on `sample` (inputs of the first block)."""
     times: list[list[float]] = [[] for _ in model]
-    sync = torch.cuda.synchronize if next(model.parameters()).is_cuda else (lambda: None)
+    first = next(model.parameters(), None)
+    on_cuda = first.is_cuda if first is not None else (isinstance(sample, torch.Tensor) and sample.is_cuda)
+    sync = torch.cuda.synchronize if on_cuda else (lambda: None)
     for _ in range(repeats):
         x = sample
         for index, block in enumerate(model):

@@ -70,6 +70,8 @@ GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
 
 def by_name(name: str, n_stages: int, n_microbatches: int) -> Schedule:
     """Build the schedule called `name` ("gpipe", "1f1b")."""
+    if not isinstance(name, str):
+        raise TypeError(f"a schedule name must be a string like 'gpipe' or '1f1b', got {type(name).__name__}")
     key = name.lower().replace("-", "").replace("_", "")
     aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "onefoneb": "1f1b", "pipedreamflush": "1f1b"}
     if key not in aliases:

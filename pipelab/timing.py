@@ -85,6 +85,11 @@ def run_dependencies(schedule: Schedule, duration: Duration, delay: Delay | None
 def unit_time_grid(schedule: Schedule) -> str:
     """Draw `schedule` with every action one time step long (see `Schedule.to_text`)."""
     timing = run_dependencies(schedule, duration=lambda a: 1.0)
+    if timing.stuck:
+        from .errors import ScheduleError
+
+        stuck = ", ".join(f"device {d} at {a} (waits for {n})" for d, (a, n) in sorted(timing.stuck.items()))
+        raise ScheduleError(f"cannot draw a schedule that deadlocks: {stuck}; run pl.schedules.validate for details")
     steps = int(round(timing.makespan))
     grid = [["."] * steps for _ in range(schedule.n_devices)]
     for device, row in enumerate(schedule.actions):

@@ -1,0 +1,380 @@
+"""``pipelab grade [task]``: run the graded-task tests on your code, and say where you stand.
+
+    pipelab grade                      every task that has tests
+    pipelab grade 1.1                  one task (``task1_1`` works too)
+    pipelab grade --impl solutions     the reference answers instead of exercises/
+
+For the chosen tasks it runs, in a subprocess,
+
+    python -m pytest tests/tasks -m "task1_1 or ..." --impl exercises --timeout 60
+
+and prints one line per task: ✅ passed, ❌ failing (the first failure, how to rerun it,
+and the lesson to read) or ⏳ not started (every test still meets the stub's
+NotImplementedError).  A test that runs past the timeout is stopped and reported as
+"timed out: probably an infinite loop"; the other tests of that task are then skipped.
+If a test ignores the timeout (a loop inside C code, or hypothesis retrying a hanging
+example), a watchdog here kills the run and runs the remaining tasks again without it.
+
+Outcomes travel from the subprocess as JSON lines, written by the pytest hooks at the
+end of this file (loaded there with ``-p pipelab.grade``).  ``run_task_tests`` is also
+what tests/test_grading.py uses to check solutions, stubs and mutants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TASKS_DIR = ROOT / "tests" / "tasks"
+DEFAULT_TIMEOUT_S = 60.0
+PACKAGES = ("exercises", "solutions")
+
+
+@dataclass
+class TestOutcome:
+    """One test's result.  status: passed, failed, not_implemented, timed_out, skipped, not_run."""
+
+    nodeid: str
+    task: str  # "1.1"
+    status: str
+    message: str = ""
+    error_type: str = ""
+
+
+@dataclass
+class TestRun:
+    outcomes: list[TestOutcome] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # tests that could not even be collected
+    output: str = ""  # the last pytest run's console output
+
+
+# ---- tasks: names, titles, lessons ---------------------------------------------------
+
+
+def task_id(text: str) -> str | None:
+    """'1.1', 'task1_1', 'Task 1.1' -> '1.1'; None when it is not a task name."""
+    match = re.fullmatch(r"(?:task)?\s*(\d+)[._](\d+)", text.strip(), flags=re.IGNORECASE)
+    return f"{match[1]}.{match[2]}" if match else None
+
+
+def marker(task: str) -> str:
+    return "task" + task.replace(".", "_")
+
+
+def tasks_with_tests() -> list[str]:
+    """Tasks with a tests/tasks/test_task<N>_<M>.py file, in order."""
+    found = (task_id(path.stem.removeprefix("test_")) for path in TASKS_DIR.glob("test_task*.py"))
+    return sorted((t for t in found if t), key=lambda t: tuple(map(int, t.split("."))))
+
+
+def task_titles() -> dict[str, tuple[str, str]]:
+    """task -> (title, lesson number), read from the markers registered in pyproject.toml."""
+    pyproject = ROOT / "pyproject.toml"
+    text = pyproject.read_text(encoding="utf-8") if pyproject.is_file() else ""
+    pattern = r"task(\d+)_(\d+): graded task [\d.]+, (.+?) \(lesson (\d+)\)"
+    return {f"{a}.{b}": (title, lesson) for a, b, title, lesson in re.findall(pattern, text)}
+
+
+def lesson_path(lesson: str) -> str:
+    matches = sorted(ROOT.glob(f"lessons/{lesson}*"), key=lambda p: p.suffix != ".ipynb")
+    return str(matches[0].relative_to(ROOT)) if matches else f"lesson {lesson} (lessons/{lesson}...)"
+
+
+# ---- running the tests -------------------------------------------------------------
+
+
+def run_task_tests(
+    impl: str = "exercises",
+    tasks: list[str] | None = None,
+    timeout_s: float = DEFAULT_TIMEOUT_S,
+    pytest_args: tuple[str, ...] = (),
+) -> TestRun:
+    """Run tests/tasks (only ``tasks``, default all) against ``impl`` and collect outcomes."""
+    if impl not in PACKAGES:
+        impl = str(Path(impl).resolve())
+    run, collected, outcomes = TestRun(), {}, {}
+    selected = tasks
+    while selected is None or selected:
+        attempt = _run_pytest_once(impl, selected, timeout_s, pytest_args)
+        run.errors += attempt["errors"]
+        run.output = attempt["output"]
+        collected = collected or attempt["collected"]
+        outcomes.update(attempt["outcomes"])
+        hung = attempt["hung"]
+        if hung is None:
+            break
+        hung_task = attempt["collected"][hung]
+        outcomes[hung] = TestOutcome(
+            hung, hung_task, "timed_out",
+            f"timed out: still running after {_hard_limit_s(timeout_s):.0f} s and stopped "
+            "(probably an infinite loop)",
+        )
+        unfinished = {t for nodeid, t in attempt["collected"].items() if nodeid not in outcomes}
+        for nodeid, t in attempt["collected"].items():
+            if t == hung_task and nodeid not in outcomes:
+                outcomes[nodeid] = TestOutcome(nodeid, t, "skipped", "not run: a test of this task hung")
+        selected = sorted(unfinished - {hung_task})
+    run.outcomes = [
+        outcomes.get(nodeid) or TestOutcome(nodeid, t, "not_run", "not run")
+        for nodeid, t in collected.items()
+    ]
+    return run
+
+
+def _hard_limit_s(timeout_s: float) -> float:
+    return 1.5 * timeout_s + 2
+
+
+def _run_pytest_once(impl, tasks, timeout_s, pytest_args) -> dict:
+    with tempfile.TemporaryDirectory(prefix="pipelab-grade-") as tmp:
+        record, log = Path(tmp) / "record.jsonl", Path(tmp) / "output.txt"
+        command = [
+            sys.executable, "-m", "pytest", str(TASKS_DIR.relative_to(ROOT)),
+            "--impl", impl, "-p", "pipelab.grade", "--pipelab-record", str(record),
+            "-p", "no:cacheprovider", f"--timeout={timeout_s}", "-q", *pytest_args,
+        ]
+        if tasks is not None:
+            command += ["-m", " or ".join(marker(t) for t in tasks)]
+        state = {"collected": {}, "outcomes": {}, "errors": [], "hung": None, "running": None}
+        with open(log, "wb") as output:
+            process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+            offset = 0
+            while process.poll() is None:
+                time.sleep(0.1)
+                offset = _read_events(record, offset, state)
+                running = state["running"]
+                if running and time.monotonic() - running[1] > _hard_limit_s(timeout_s):
+                    process.kill()
+                    process.wait()
+                    state["hung"] = running[0]
+            _read_events(record, offset, state)
+        state["output"] = log.read_text(encoding="utf-8", errors="replace")
+        return state
+
+
+def _read_events(record: Path, offset: int, state: dict) -> int:
+    if not record.exists():
+        return offset
+    with open(record, "rb") as stream:
+        stream.seek(offset)
+        data = stream.read()
+    complete = data[: data.rfind(b"\n") + 1]
+    for line in complete.decode("utf-8").splitlines():
+        event = json.loads(line)
+        kind = event.pop("event")
+        if kind == "collected":
+            state["collected"].update(event["tests"])
+        elif kind == "collect_error":
+            state["errors"].append(event["message"])
+        elif kind == "start":
+            state["running"] = (event["nodeid"], time.monotonic())
+        else:
+            task = state["collected"].get(event["nodeid"], "")
+            state["outcomes"][event["nodeid"]] = TestOutcome(task=task, **event)
+            state["running"] = None
+    return offset + len(complete)
+
+
+# ---- the report ----------------------------------------------------------------------
+
+
+def task_status(outcomes: list[TestOutcome]) -> str:
+    """passed | not_started | failing, for the outcomes of one task."""
+    if outcomes and all(o.status == "passed" for o in outcomes):
+        return "passed"
+    if outcomes and all(o.status == "not_implemented" for o in outcomes):
+        return "not_started"
+    return "failing"
+
+
+def format_report(run: TestRun, tasks: list[str], impl: str) -> str:
+    symbols = _symbols()
+    titles = task_titles()
+    lines = [f"pipelab grade: {impl if impl in PACKAGES else Path(impl)}", ""]
+    n_passed = 0
+    for task in tasks:
+        outcomes = [o for o in run.outcomes if o.task == task]
+        status = task_status(outcomes)
+        title, lesson = titles.get(task, ("", ""))
+        n_ok = sum(o.status == "passed" for o in outcomes)
+        head = f"{symbols[status]} Task {task}  {title}"
+        if status == "passed":
+            n_passed += 1
+            lines.append(f"{head}: passed ({n_ok} tests)")
+            continue
+        if status == "not_started":
+            where = outcomes[0].message.split(" raised ")[-1] if outcomes else ""
+            lines.append(f"{head}: not started ({where} still raises NotImplementedError)")
+        else:
+            lines.append(f"{head}: failing ({n_ok} of {len(outcomes)} tests pass)")
+            lines += _first_failure(outcomes)
+        if lesson:
+            lines.append(f"      read:  {lesson_path(lesson)}")
+    for error in run.errors:
+        lines += ["", "the tests could not be loaded:", error]
+    if not run.outcomes and not run.errors:
+        lines += ["", "no test ran; pytest said:", run.output[-3000:]]
+    lines += ["", f"{n_passed} of {len(tasks)} tasks pass."]
+    return "\n".join(lines)
+
+
+def _first_failure(outcomes: list[TestOutcome]) -> list[str]:
+    failing = [o for o in outcomes if o.status in ("failed", "timed_out")]
+    failing = failing or [o for o in outcomes if o.status not in ("passed", "skipped")]
+    if not failing:
+        return []
+    first = failing[0]
+    lines = [f"      first failure:  {first.nodeid}"]
+    lines += [f"        {line}" for line in first.message.splitlines()]
+    not_run = sum(o.status in ("skipped", "not_run") for o in outcomes)
+    if not_run:
+        lines.append(f"      ({not_run} other tests of this task were not run)")
+    lines.append(f'      rerun it:  python -m pytest "{first.nodeid}"')
+    return lines
+
+
+def _symbols() -> dict[str, str]:
+    fancy = {"passed": "✅", "failing": "❌", "not_started": "⏳"}
+    try:
+        "".join(fancy.values()).encode(sys.stdout.encoding or "ascii")
+        return fancy
+    except (UnicodeEncodeError, LookupError):
+        return {"passed": "[ok]  ", "failing": "[FAIL]", "not_started": "[todo]"}
+
+
+# ---- the command ---------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pipelab grade", description=__doc__.split("\n")[0])
+    parser.add_argument("tasks", nargs="*", metavar="task", help="e.g. 1.1 (default: all)")
+    parser.add_argument("--impl", default="exercises",
+                        help="exercises (default), solutions, or a directory of modules")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
+                        help="seconds a test may run before it is stopped (default 60)")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+
+    if not TASKS_DIR.is_dir():
+        print(f"pipelab grade: no graded tests at {TASKS_DIR}.\nThey come with the course, "
+              "not with the installed package: run `pipelab grade` in a clone of the course "
+              "repository (after `make install`).", file=sys.stderr)
+        return 2
+    missing = [name for name in ("pytest", "pytest_timeout", "hypothesis")
+               if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"pipelab grade needs {', '.join(missing)}: pip install -e '.[dev]'", file=sys.stderr)
+        return 2
+    valid = tasks_with_tests()
+    tasks = [task_id(text) for text in args.tasks] or valid
+    unknown = [text for text, task in zip(args.tasks, tasks) if task not in valid]
+    if unknown:
+        print(f"pipelab grade: unknown task {', '.join(unknown)}; tasks with tests: "
+              f"{', '.join(valid)} (write them as 1.1 or task1_1)", file=sys.stderr)
+        return 2
+
+    run = run_task_tests(args.impl, tasks, timeout_s=args.timeout)
+    print(format_report(run, tasks, args.impl))
+    passed = all(task_status([o for o in run.outcomes if o.task == t]) == "passed" for t in tasks)
+    return 0 if passed and not run.errors else 1
+
+
+# ---- pytest hooks, active in the subprocess started by run_task_tests -------------------
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption("--pipelab-record", default=None, help="(pipelab grade) outcomes file")
+
+
+def _record(config, **event) -> None:
+    path = config.getoption("pipelab_record")
+    if path:
+        with open(path, "a", encoding="utf-8") as stream:
+            stream.write(json.dumps(event) + "\n")
+
+
+def _task_of(item) -> str:
+    names = (task_id(mark.name) for mark in item.iter_markers())
+    return next((name for name in names if name), "")
+
+
+def pytest_collection_finish(session) -> None:
+    tests = {item.nodeid: _task_of(item) for item in session.items}
+    _record(session.config, event="collected", tests=tests)
+
+
+def pytest_runtest_logstart(nodeid, location) -> None:
+    _record(_CONFIG[0], event="start", nodeid=nodeid)
+
+
+def pytest_configure(config) -> None:
+    _CONFIG[:] = [config]
+    config.stash[_TIMED_OUT] = set()
+
+
+_CONFIG: list = []
+_TIMED_OUT = None
+
+
+def pytest_runtest_setup(item) -> None:
+    task = _task_of(item)
+    if item.config.getoption("pipelab_record") and task in item.config.stash[_TIMED_OUT]:
+        import pytest
+
+        pytest.skip(f"not run: a test of task {task} timed out")
+
+
+def pytest_exception_interact(node, call, report) -> None:
+    import pytest
+
+    if not isinstance(node, pytest.Item):
+        _record(node.config, event="collect_error", message=str(report.longrepr)[-3000:])
+        return
+    excinfo = call.excinfo
+    text = excinfo.exconly()
+    if "from pytest-timeout" in text:
+        status = "timed_out"
+        message = f"timed out after {node.config.getoption('timeout')} s (probably an infinite loop)"
+        node.config.stash[_TIMED_OUT].add(_task_of(node))
+    else:
+        status = "not_implemented" if _is_not_implemented(excinfo.value) else "failed"
+        message = _short(text)
+    entry = excinfo.traceback[-1]
+    try:
+        where = Path(str(entry.path)).resolve().relative_to(ROOT)
+    except ValueError:
+        where = Path(str(entry.path)).name
+    message += f"\nraised in {where}:{entry.lineno + 1} ({entry.name})"
+    _record(node.config, event="result", nodeid=node.nodeid, status=status,
+            message=message, error_type=excinfo.typename)
+
+
+def pytest_runtest_logreport(report) -> None:
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _record(_CONFIG[0], event="result", nodeid=report.nodeid, status="skipped", message=reason)
+    elif report.passed and report.when == "call":
+        _record(_CONFIG[0], event="result", nodeid=report.nodeid, status="passed")
+
+
+def _is_not_implemented(error: BaseException) -> bool:
+    group = getattr(error, "exceptions", None)  # hypothesis may raise an ExceptionGroup
+    if group:
+        return all(_is_not_implemented(inner) for inner in group)
+    return isinstance(error, NotImplementedError)
+
+
+def _short(text: str, max_lines: int = 6, max_chars: int = 600) -> str:
+    lines = [line for line in text.splitlines() if line.strip()][:max_lines]
+    return "\n".join(lines)[:max_chars]
