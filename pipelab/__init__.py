@@ -11,9 +11,11 @@ from . import microbatch, models, schedules
 from .about import about, describe
 from .actions import Action, Schedule
 from .errors import PipelineError, ScheduleError
+from .costs import Costs
 from .partition import Partition, split
 from .reference import max_gradient_difference, single_device_gradients
 from .runtime.local import Pipeline, StepResult
+from .simulate import simulate
 from .trace import Event, MemorySample, Trace
 
 __version__ = "0.1.0"
@@ -28,6 +30,6 @@ def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked
 
 
 __all__ = [
-    "Action", "Event", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
+    "Action", "Costs", "Event", "simulate", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
     "StepResult", "Trace", "microbatch", "models", "plot", "schedules", "split",
 ]

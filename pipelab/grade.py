@@ -48,6 +48,8 @@ class TestOutcome:
     status: str
     message: str = ""
     error_type: str = ""
+    raised_in: str = ""  # "exercises/partition.py:52", the deepest frame in the course's files
+    function: str = ""  # the function of that frame
 
 
 @dataclass
@@ -212,8 +214,9 @@ def format_report(run: TestRun, tasks: list[str], impl: str) -> str:
             lines.append(f"{head}: passed ({n_ok} tests)")
             continue
         if status == "not_started":
-            where = outcomes[0].message.split(" raised ")[-1] if outcomes else ""
-            lines.append(f"{head}: not started ({where} still raises NotImplementedError)")
+            stubs = sorted({f"{o.function}() in {o.raised_in.split(':')[0]}" for o in outcomes})
+            lines.append(f"{head}: not started")
+            lines.append(f"      still raising NotImplementedError: {', '.join(stubs)}")
         else:
             lines.append(f"{head}: failing ({n_ok} of {len(outcomes)} tests pass)")
             lines += _first_failure(outcomes)
@@ -235,6 +238,8 @@ def _first_failure(outcomes: list[TestOutcome]) -> list[str]:
     first = failing[0]
     lines = [f"      first failure:  {first.nodeid}"]
     lines += [f"        {line}" for line in first.message.splitlines()]
+    if first.raised_in:
+        lines.append(f"        (at {first.raised_in}, in {first.function})")
     not_run = sum(o.status in ("skipped", "not_run") for o in outcomes)
     if not_run:
         lines.append(f"      ({not_run} other tests of this task were not run)")
@@ -292,13 +297,19 @@ def main(argv: list[str] | None = None) -> int:
 
 # ---- pytest hooks, active in the subprocess started by run_task_tests -------------------
 
+_session = {"config": None, "timed_out_tasks": set()}  # one pytest session per subprocess
+
 
 def pytest_addoption(parser) -> None:
     parser.addoption("--pipelab-record", default=None, help="(pipelab grade) outcomes file")
 
 
-def _record(config, **event) -> None:
-    path = config.getoption("pipelab_record")
+def pytest_configure(config) -> None:
+    _session["config"] = config
+
+
+def _record(**event) -> None:
+    path = _session["config"].getoption("pipelab_record")
     if path:
         with open(path, "a", encoding="utf-8") as stream:
             stream.write(json.dumps(event) + "\n")
@@ -310,26 +321,16 @@ def _task_of(item) -> str:
 
 
 def pytest_collection_finish(session) -> None:
-    tests = {item.nodeid: _task_of(item) for item in session.items}
-    _record(session.config, event="collected", tests=tests)
+    _record(event="collected", tests={item.nodeid: _task_of(item) for item in session.items})
 
 
 def pytest_runtest_logstart(nodeid, location) -> None:
-    _record(_CONFIG[0], event="start", nodeid=nodeid)
-
-
-def pytest_configure(config) -> None:
-    _CONFIG[:] = [config]
-    config.stash[_TIMED_OUT] = set()
-
-
-_CONFIG: list = []
-_TIMED_OUT = None
+    _record(event="start", nodeid=nodeid)
 
 
 def pytest_runtest_setup(item) -> None:
     task = _task_of(item)
-    if item.config.getoption("pipelab_record") and task in item.config.stash[_TIMED_OUT]:
+    if item.config.getoption("pipelab_record") and task in _session["timed_out_tasks"]:
         import pytest
 
         pytest.skip(f"not run: a test of task {task} timed out")
@@ -339,33 +340,41 @@ def pytest_exception_interact(node, call, report) -> None:
     import pytest
 
     if not isinstance(node, pytest.Item):
-        _record(node.config, event="collect_error", message=str(report.longrepr)[-3000:])
+        _record(event="collect_error", message=str(report.longrepr)[-3000:])
         return
     excinfo = call.excinfo
     text = excinfo.exconly()
     if "from pytest-timeout" in text:
         status = "timed_out"
-        message = f"timed out after {node.config.getoption('timeout')} s (probably an infinite loop)"
-        node.config.stash[_TIMED_OUT].add(_task_of(node))
+        text = f"timed out after {node.config.getoption('timeout'):g} s (probably an infinite loop)"
+        _session["timed_out_tasks"].add(_task_of(node))
+    elif _is_not_implemented(excinfo.value):
+        status = "not_implemented"
     else:
-        status = "not_implemented" if _is_not_implemented(excinfo.value) else "failed"
-        message = _short(text)
-    entry = excinfo.traceback[-1]
-    try:
-        where = Path(str(entry.path)).resolve().relative_to(ROOT)
-    except ValueError:
-        where = Path(str(entry.path)).name
-    message += f"\nraised in {where}:{entry.lineno + 1} ({entry.name})"
-    _record(node.config, event="result", nodeid=node.nodeid, status=status,
-            message=message, error_type=excinfo.typename)
+        status = "failed"
+    raised_in, function = _deepest_course_frame(excinfo.traceback)
+    _record(event="result", nodeid=node.nodeid, status=status, message=_short(text),
+            error_type=excinfo.typename, raised_in=raised_in, function=function)
 
 
 def pytest_runtest_logreport(report) -> None:
     if report.skipped:
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _record(_CONFIG[0], event="result", nodeid=report.nodeid, status="skipped", message=reason)
+        _record(event="result", nodeid=report.nodeid, status="skipped", message=reason)
     elif report.passed and report.when == "call":
-        _record(_CONFIG[0], event="result", nodeid=report.nodeid, status="passed")
+        _record(event="result", nodeid=report.nodeid, status="passed")
+
+
+def _deepest_course_frame(traceback) -> tuple[str, str]:
+    """('exercises/partition.py:52', 'balanced_bounds'): the last frame in the course's files."""
+    for entry in reversed(traceback):
+        try:
+            path = Path(str(entry.path)).resolve().relative_to(ROOT)
+        except ValueError:
+            continue
+        if not path.parts[0].startswith(".") and "site-packages" not in path.parts:
+            return f"{path}:{entry.lineno + 1}", entry.name
+    return "", ""
 
 
 def _is_not_implemented(error: BaseException) -> bool:
@@ -378,3 +387,7 @@ def _is_not_implemented(error: BaseException) -> bool:
 def _short(text: str, max_lines: int = 6, max_chars: int = 600) -> str:
     lines = [line for line in text.splitlines() if line.strip()][:max_lines]
     return "\n".join(lines)[:max_chars]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""`Costs`: the cost model the simulator runs a schedule on.
+
+Per stage s (a number applies to every stage, a list gives one value per stage):
+
+- `forward[s]`, `backward[s]`, `weight[s]`: seconds for one micro-batch's F, B and W
+  (W only for schedules that split the backward into B and W);
+- `activation_bytes[s]`: bytes stage s sends to stage s+1 per micro-batch (its output);
+  the gradient sent back has the same size;
+- `memory_bytes[s]`: activation bytes stage s keeps per micro-batch from F to B;
+- `latency` (seconds) and `bandwidth` (bytes/second) of every link.
+
+A message between stages s and s+1 takes  latency + activation_bytes[s] / bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .runtime import stage as stage_ops
+
+PerStage = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    forward: PerStage = 1.0
+    backward: PerStage = 2.0
+    weight: PerStage = 0.0
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    activation_bytes: PerStage = 0.0
+    memory_bytes: PerStage = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "weight", "activation_bytes", "memory_bytes"):
+            values = getattr(self, name)
+            values = list(values) if isinstance(values, (list, tuple)) else [values]
+            if not values or any(not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0
+                                 for v in values):
+                raise ValueError(f"Costs.{name} must be a non-negative number or a list of them, got {getattr(self, name)!r}")
+        if not (isinstance(self.latency, (int, float)) and self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"Costs.latency must be a non-negative number of seconds, got {self.latency!r}")
+        if not (isinstance(self.bandwidth, (int, float)) and self.bandwidth > 0):
+            raise ValueError(f"Costs.bandwidth must be positive (bytes per second), got {self.bandwidth!r}")
+
+    def per_stage(self, name: str, stage: int, n_stages: int) -> float:
+        """The value of `name` for `stage` (checks that a list has one value per stage)."""
+        values = getattr(self, name)
+        if isinstance(values, (list, tuple)):
+            if len(values) != n_stages:
+                raise ValueError(f"Costs.{name} lists {len(values)} values for {n_stages} stages; give one per stage")
+            return float(values[stage])
+        return float(values)
+
+    def message_seconds(self, stage: int, n_stages: int) -> float:
+        """Time to send stage `stage`'s output (or the gradient of it) across one link."""
+        return self.latency + self.per_stage("activation_bytes", stage, n_stages) / self.bandwidth
+
+    @classmethod
+    def from_profile(cls, model, parts, sample_batch: tuple[Any, Any], loss_fn: Callable,
+                     repeats: int = 5, latency: float = 0.0, bandwidth: float = math.inf) -> "Costs":
+        """Measure forward/backward seconds (median of `repeats`), bytes sent and kept, per stage.
+
+        `parts` is a `pl.split` result of `model`; `sample_batch` = (inputs, targets) of ONE
+        micro-batch.  Uses the engine's own stage forward/backward, so what is measured is
+        what the engine runs.  The model's `.grad` is restored afterwards.
+        """
+        inputs, targets = sample_batch
+        saved_grads = [p.grad for p in model.parameters()]
+        n = len(parts.stages)
+        forward = [[] for _ in range(n)]
+        backward = [[] for _ in range(n)]
+        sent, kept = [0.0] * n, [0.0] * n
+        for _ in range(repeats):
+            activation, flights = inputs, []
+            for s, stage in enumerate(parts.stages):
+                device = next(stage.parameters(), torch.empty(0)).device
+                begin = _now(device)
+                flight = stage_ops.forward(stage, _move(activation, device), list(stage.parameters()), s == 0,
+                                           loss_fn if s == n - 1 else None,
+                                           _move(targets, device) if s == n - 1 else None)
+                forward[s].append(_now(device) - begin)
+                flights.append(flight)
+                kept[s] = flight.saved_bytes
+                if s < n - 1:
+                    activation = flight.output.detach()
+                    sent[s] = activation.numel() * activation.element_size()
+            gradient = None
+            for s in range(n - 1, -1, -1):
+                device = flights[s].output.device
+                begin = _now(device)
+                gradient = stage_ops.backward(flights[s], None if gradient is None else gradient.to(device))
+                backward[s].append(_now(device) - begin)
+        for p, g in zip(model.parameters(), saved_grads):
+            p.grad = g
+        return cls(forward=[statistics.median(t) for t in forward], backward=[statistics.median(t) for t in backward],
+                   latency=latency, bandwidth=bandwidth, activation_bytes=sent, memory_bytes=kept)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    return batch.to(device) if isinstance(batch, torch.Tensor) else batch

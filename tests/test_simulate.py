@@ -1,0 +1,101 @@
+"""The simulator against closed forms, and against the engine it predicts."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+
+import pipelab as pl
+from pipelab.actions import Action
+
+SCHEDULES = [pl.schedules.gpipe, pl.schedules.one_f_one_b]
+
+
+@settings(max_examples=60, deadline=None)
+@given(p=st.integers(1, 32), m=st.integers(1, 128), t_f=st.floats(0.1, 5), ratio=st.floats(0.5, 3),
+       generator=st.sampled_from(SCHEDULES))
+def test_uniform_costs_match_the_closed_form(p, m, t_f, ratio, generator):
+    """GPipe §2.3 / Megatron-LM SC21 §2.2.1: makespan (m+p-1)(t_F+t_B), bubble (p-1)/(m+p-1)."""
+    t_b = ratio * t_f
+    trace = pl.simulate(generator(p, m), pl.Costs(forward=t_f, backward=t_b))
+    assert trace.makespan == pytest.approx((m + p - 1) * (t_f + t_b), rel=1e-9)
+    assert trace.bubble_fraction == pytest.approx((p - 1) / (m + p - 1), abs=1e-9)
+    assert trace.source == "simulated"
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+def test_one_microbatch_is_naive_model_parallelism(p):
+    trace = pl.simulate(pl.schedules.gpipe(p, 1), pl.Costs(1.0, 2.0))
+    assert trace.bubble_fraction == pytest.approx((p - 1) / p)
+    busy_at = lambda t: sum(e.start <= t < e.end for e in trace.events)
+    assert all(busy_at(k + 0.5) == 1 for k in range(int(trace.makespan)))  # one device busy at a time
+
+
+@pytest.mark.parametrize("generator", SCHEDULES)
+def test_the_slowest_stage_sets_the_steady_state(generator):
+    p, m = 4, 64
+    forward = [1.0, 1.0, 3.0, 1.0]
+    trace = pl.simulate(generator(p, m), pl.Costs(forward=forward, backward=[2 * f for f in forward]))
+    slowest = 3.0 + 6.0
+    assert trace.makespan >= m * slowest
+    assert trace.makespan <= m * slowest + sum(f + 2 * f for f in forward)  # plus one trip through the others
+    assert trace.busy_time[2] == pytest.approx(m * slowest)
+
+
+def test_communication_adds_to_the_critical_path():
+    p, m, d = 4, 8, 0.25
+    gpipe = pl.simulate(pl.schedules.gpipe(p, m), pl.Costs(1.0, 2.0, latency=d))
+    # every hop of the first micro-batch down and of the last one back up pays d
+    assert gpipe.makespan == pytest.approx((m + p - 1) * 3.0 + 2 * (p - 1) * d)
+    by_bandwidth = pl.simulate(pl.schedules.gpipe(p, m), pl.Costs(1.0, 2.0, bandwidth=1000.0, activation_bytes=250.0))
+    assert by_bandwidth.makespan == pytest.approx(gpipe.makespan)
+
+
+@pytest.mark.parametrize("generator,expected", [(pl.schedules.gpipe, lambda p, m, s: m),
+                                                (pl.schedules.one_f_one_b, lambda p, m, s: min(p - s, m))])
+def test_simulated_memory_follows_the_inflight_count(generator, expected):
+    p, m = 4, 6
+    trace = pl.simulate(generator(p, m), pl.Costs(1.0, 2.0, memory_bytes=[10, 20, 30, 40]))
+    for s in range(p):
+        assert trace.peak_memory[s] == expected(p, m, s) * 10 * (s + 1)
+        assert trace.memory_curve(s)[1][-1] == 0
+    assert trace.peak_inflight == [expected(p, m, s) for s in range(p)]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_replaying_the_engines_measured_durations_reproduces_its_trace(schedule):
+    model = pl.models.mlp(depth=8, width=32)
+    x, y = pl.models.sample_batch(model, 16)
+    result = pl.Pipeline(model, 4, 8, schedule, torch.nn.MSELoss(), devices="cpu").step(x, y)
+    replay = pl.simulate(pl.schedules.by_name(schedule, 4, 8), result.trace.durations())
+    assert replay.makespan == pytest.approx(result.trace.makespan, rel=1e-12)
+    measured = {e.action: (e.start, e.end) for e in result.trace.events}
+    for e in replay.events:
+        assert (e.start, e.end) == pytest.approx(measured[e.action], rel=1e-12, abs=1e-15)
+
+
+def test_bad_costs_are_named():
+    with pytest.raises(ValueError, match="Costs.forward"):
+        pl.Costs(forward=-1)
+    with pytest.raises(ValueError, match="Costs.backward"):
+        pl.Costs(backward=[1.0, math.nan])
+    with pytest.raises(ValueError, match="bandwidth"):
+        pl.Costs(bandwidth=0)
+    with pytest.raises(ValueError, match="lists 2 values for 4 stages"):
+        pl.simulate(pl.schedules.gpipe(4, 2), pl.Costs(forward=[1.0, 2.0]))
+    with pytest.raises(TypeError, match="pl.Costs"):
+        pl.simulate(pl.schedules.gpipe(2, 2), "fast")
+    with pytest.raises(ValueError, match="no time for"):
+        pl.simulate(pl.schedules.gpipe(2, 2), {Action("F", 0, 0): 1.0})
+
+
+def test_costs_from_profile_measure_the_stages_and_keep_grads():
+    model = pl.models.mlp(depth=4, width=16)
+    parts = pl.split(model, 2)
+    x, y = pl.models.sample_batch(model, 4)
+    costs = pl.Costs.from_profile(model, parts, (x, y), torch.nn.MSELoss(), repeats=3)
+    assert all(t > 0 for t in costs.forward + costs.backward)
+    assert costs.activation_bytes[0] == 4 * 16 * 4  # stage 0 sends a (4 x 16) fp32 activation
+    assert costs.memory_bytes[0] == 4 * (4 * 16 * 4)  # two Linear inputs and two GELU inputs
+    assert all(p.grad is None for p in model.parameters())
