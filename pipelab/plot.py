@@ -6,10 +6,12 @@ idle time is hatched grey, so the bubble is what you see.
 
 from __future__ import annotations
 
+import sys
+
 import matplotlib
 
-if matplotlib.get_backend().lower() not in ("module://matplotlib_inline.backend_inline", "widget", "ipympl"):
-    matplotlib.use("Agg")  # scripts and tests draw to files; notebooks keep their inline backend
+if "ipykernel" not in sys.modules:  # scripts and tests draw to files; notebooks keep their own backend
+    matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
