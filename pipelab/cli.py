@@ -1,6 +1,7 @@
 """The `pipelab` command: train with a pipeline, open the course, grade exercises.
 
     pipelab run --model mlp --stages 4 --microbatches 8 --schedule 1f1b [--steps N] [--device cpu|cuda]
+    pipelab simulate --stages 8 --microbatches 32 --schedule 1f1b
     pipelab lab [jupyter-lab options]
     pipelab grade [task]
 """
@@ -42,6 +43,15 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--out", type=Path, default=Path("pipelab-out"), help="folder for the PNG and the Chrome trace")
 
+    sim = commands.add_parser("simulate", help="predict a schedule's timeline from a cost model")
+    sim.add_argument("--stages", type=_positive, default=4)
+    sim.add_argument("--microbatches", type=_positive, default=8)
+    sim.add_argument("--schedule", default="1f1b")
+    sim.add_argument("--forward", type=float, default=1.0, help="seconds of one micro-batch's forward per stage")
+    sim.add_argument("--backward", type=float, default=2.0, help="seconds of one micro-batch's backward per stage")
+    sim.add_argument("--latency", type=float, default=0.0, help="seconds per message between stages")
+    sim.add_argument("--out", type=Path, default=Path("pipelab-out"))
+
     lab = commands.add_parser("lab", help="open the course (lessons/) in JupyterLab")
     lab.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab (e.g. --no-browser)")
 
@@ -54,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return run(args)
+    if args.command == "simulate":
+        return simulate(args)
     if args.command == "lab":
         return lab(args.jupyter_args)
     from .grade import main as grade_main
@@ -95,6 +107,29 @@ def run(args: argparse.Namespace) -> int:
     pl.plot.timeline(trace).savefig(png, dpi=120)
     chrome = trace.to_chrome_trace(args.out / f"trace_{pipe.schedule.name}_p{args.stages}_m{args.microbatches}.json")
     print(f"\ntimeline: {png}\nChrome trace (open in Perfetto or chrome://tracing): {chrome}")
+    return 0
+
+
+def simulate(args: argparse.Namespace) -> int:
+    import pipelab as pl
+
+    try:
+        schedule = pl.schedules.by_name(args.schedule, args.stages, args.microbatches)
+        trace = pl.simulate(schedule, pl.Costs(forward=args.forward, backward=args.backward, latency=args.latency))
+    except (ValueError, TypeError) as error:
+        print(f"pipelab simulate: {error}", file=sys.stderr)
+        return 2
+    p, m = args.stages, args.microbatches
+    print(schedule.to_text() if p * m <= 512 else f"(grid of {p} x {2 * (m + p - 1)} steps not printed)")
+    print(f"\n{schedule.name}: p={p}, m={m}, t_F={args.forward}, t_B={args.backward}, latency={args.latency}")
+    print(f"makespan {trace.makespan:.4g}   bubble fraction {trace.bubble_fraction:.2%}   "
+          f"(formula (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.2%}, without communication)")
+    print(f"peak in-flight micro-batches per stage: {trace.peak_inflight}")
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = args.out / f"simulated_{schedule.name}_p{p}_m{m}.png"
+    pl.plot.timeline(trace).savefig(png, dpi=120)
+    chrome = trace.to_chrome_trace(args.out / f"simulated_{schedule.name}_p{p}_m{m}.json")
+    print(f"timeline: {png}\nChrome trace: {chrome}")
     return 0
 
 

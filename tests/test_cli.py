@@ -36,3 +36,13 @@ def test_run_explains_bad_settings(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["run", "--stages", "0"])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+def test_simulate_prints_grid_and_metrics(tmp_path, capsys):
+    assert main(["simulate", "--stages", "8", "--microbatches", "32", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "device 7 |" in out
+    assert "bubble fraction 17.95%" in out  # 7 / 39
+    assert (tmp_path / "simulated_1f1b_p8_m32.png").exists() and (tmp_path / "simulated_1f1b_p8_m32.json").exists()
+    assert main(["simulate", "--schedule", "zigzag", "--out", str(tmp_path)]) == 2
+    assert "unknown schedule" in capsys.readouterr().err
