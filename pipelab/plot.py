@@ -41,8 +41,24 @@ def timeline(trace: Trace, ax=None, title: str | None = None, label_microbatches
         fig, ax = plt.subplots(figsize=(10, 0.55 * trace.n_devices + 1.6))
     else:
         fig = ax.figure
-    origin = min((e.start for e in trace.events), default=0.0)
     scale, unit = _time_unit(trace.makespan, trace.source)
+    span = trace.makespan * scale
+    _draw(ax, trace, scale, label_microbatches)
+    ax.set_xlim(0, span if span > 0 else 1)
+    ax.set_xlabel(unit)
+    _legend(ax, trace.events, trace.n_devices)
+    if title is None:
+        title = (f"{trace.schedule_name}: p={trace.n_stages} stages, m={trace.n_microbatches} micro-batches — "
+                 f"{trace.source_label}\nbubble {trace.bubble_fraction:.1%} of {trace.n_devices} devices x "
+                 f"{span:.3g} {unit.split('(')[1].rstrip(')')}")
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def _draw(ax, trace: Trace, scale: float, label_microbatches: bool = True) -> None:
+    """One row per device: hatched idle background, then one coloured bar per action."""
+    origin = min((e.start for e in trace.events), default=0.0)
     span = trace.makespan * scale
     for device in range(trace.n_devices):
         ax.barh(device, span, left=0, height=0.8, color=IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0)
@@ -55,20 +71,14 @@ def timeline(trace: Trace, ax=None, title: str | None = None, label_microbatches
     ax.set_yticks(range(trace.n_devices))
     ax.set_yticklabels([_device_label(trace, d) for d in range(trace.n_devices)])
     ax.invert_yaxis()
-    ax.set_xlim(0, span if span > 0 else 1)
-    ax.set_xlabel(unit)
-    kinds = sorted({e.kind for e in trace.events}, key="FBW".index)
+
+
+def _legend(ax, events, n_rows: int) -> None:
+    kinds = sorted({e.kind for e in events}, key="FBW".index)
     handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in kinds]
     handles.append(Patch(facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", label="idle (bubble)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * (6 - min(trace.n_devices, 6))),
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * (6 - min(n_rows, 6))),
               ncol=len(handles), frameon=False, fontsize=8)
-    if title is None:
-        title = (f"{trace.schedule_name}: p={trace.n_stages} stages, m={trace.n_microbatches} micro-batches — "
-                 f"{trace.source_label}\nbubble {trace.bubble_fraction:.1%} of {trace.n_devices} devices x "
-                 f"{span:.3g} {unit.split('(')[1].rstrip(')')}")
-    ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    return fig
 
 
 def _device_label(trace: Trace, device: int) -> str:
@@ -133,5 +143,54 @@ def partition(parts, ax=None, title: str | None = None):
     balance = min(totals) / max(totals) if max(totals) > 0 else 1.0
     ax.set_title(title or f"split by {parts.method!r} into {len(parts)} stages: heaviest is stage {slowest}, "
                           f"lightest/heaviest = {balance:.2f}", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def compare(predicted: Trace, measured: Trace, labels: tuple[str, str] = ("predicted", "measured")):
+    """Two timelines stacked on one time axis: the prediction above, the measurement below."""
+    for trace in (predicted, measured):
+        if not isinstance(trace, Trace):
+            raise TypeError(f"compare expects two pipelab Traces, got {type(trace).__name__}")
+    fig, axes = plt.subplots(2, 1, figsize=(10, 0.5 * (predicted.n_devices + measured.n_devices) + 3), sharex=True)
+    scale, unit = _time_unit(max(predicted.makespan, measured.makespan), "measured")
+    for ax, trace, label in zip(axes, (predicted, measured), labels):
+        _draw(ax, trace, scale)
+        ax.set_title(f"{label} — {trace.source_label}: makespan {trace.makespan * scale:.4g} "
+                     f"{unit.split('(')[1].rstrip(')')}, bubble {trace.bubble_fraction:.1%}", fontsize=10)
+    axes[0].set_xlim(0, max(predicted.makespan, measured.makespan) * scale)
+    axes[-1].set_xlabel(unit)
+    _legend(axes[-1], predicted.events + measured.events, n_rows=measured.n_devices)
+    fig.tight_layout()
+    return fig
+
+
+def bubble_vs_microbatches(stages=(2, 4, 8, 16), max_microbatches: int = 64, schedule: str = "gpipe", ax=None):
+    """Simulated bubble fraction against m for several p (dots), with (p-1)/(m+p-1) drawn as lines.
+
+    Formula: GPipe §2.3; Megatron-LM SC21 §2.2.1 (uniform stages, no communication).
+    """
+    from .costs import Costs
+    from .schedules import by_name
+    from .simulate import simulate
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(8, 4))
+    else:
+        fig = ax.figure
+    cmap = plt.get_cmap("viridis")
+    ms = sorted({1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, max_microbatches} & set(range(1, max_microbatches + 1)))
+    dense = list(range(1, max_microbatches + 1))
+    for k, p in enumerate(stages):
+        color = cmap(k / max(1, len(stages) - 1) * 0.9)
+        ax.plot(dense, [(p - 1) / (m + p - 1) for m in dense], color=color, lw=1.5, label=f"p={p}: (p-1)/(m+p-1)")
+        measured = [simulate(by_name(schedule, p, m), Costs(1.0, 2.0)).bubble_fraction for m in ms]
+        ax.plot(ms, measured, "o", color=color, ms=4)
+    ax.axhline(0, color="#999999", lw=0.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("micro-batches m")
+    ax.set_ylabel("bubble fraction of the step")
+    ax.set_title(f"{schedule}: simulated (dots) vs formula (lines)", fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     return fig

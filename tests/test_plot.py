@@ -54,3 +54,24 @@ def test_partition_plot_colours_each_stage_and_names_the_heaviest():
     assert "heaviest is stage" in ax.get_title()
     with pytest.raises(TypeError, match="pl.split"):
         pl.plot.partition(model)
+
+
+def test_compare_stacks_two_traces_on_one_axis():
+    predicted, measured = two_device_trace("simulated"), two_device_trace("replayed")
+    fig = pl.plot.compare(predicted, measured)
+    top, bottom = fig.axes
+    assert top.get_title().startswith("predicted") and bottom.get_title().startswith("measured")
+    assert top.get_xlim() == bottom.get_xlim()
+    with pytest.raises(TypeError, match="two pipelab Traces"):
+        pl.plot.compare(predicted, None)
+
+
+def test_bubble_plot_draws_formula_lines_and_simulated_points():
+    ax = pl.plot.bubble_vs_microbatches(stages=(2, 4), max_microbatches=8).axes[0]
+    lines = ax.get_lines()
+    formula = [l for l in lines if l.get_linestyle() == "-" and len(l.get_xdata()) == 8]
+    points = [l for l in lines if l.get_marker() == "o"]
+    assert len(formula) == 2 and len(points) == 2
+    for line, dots in zip(formula, points):  # the simulated dots sit on the formula
+        for m, bubble in zip(dots.get_xdata(), dots.get_ydata()):
+            assert bubble == pytest.approx(line.get_ydata()[int(m) - 1])
