@@ -57,20 +57,26 @@ def timeline(trace: Trace, ax=None, title: str | None = None, label_microbatches
 
 
 def _draw(ax, trace: Trace, scale: float, label_microbatches: bool = True) -> None:
-    """One row per device: hatched idle background, then one coloured bar per action."""
+    """One row per device: hatched idle background, then the actions, one bar collection per (device, kind)."""
     origin = min((e.start for e in trace.events), default=0.0)
     span = trace.makespan * scale
-    for device in range(trace.n_devices):
-        ax.barh(device, span, left=0, height=0.8, color=IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0)
+    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
     for e in trace.events:
-        left, width = (e.start - origin) * scale, e.duration * scale
-        ax.barh(e.device, width, left=left, height=0.8, color=COLORS[e.kind], edgecolor="white", linewidth=0.6)
-        if label_microbatches and span > 0 and width / span > 0.012:
-            ax.text(left + width / 2, e.device, str(e.microbatch), ha="center", va="center",
-                    fontsize=8 if width / span > 0.025 else 6, color="white")
+        bars.setdefault((e.device, e.kind), []).append(((e.start - origin) * scale, e.duration * scale))
+    for device in range(trace.n_devices):
+        ax.broken_barh([(0, span)], (device - 0.4, 0.8), facecolors=IDLE, hatch="///", edgecolor="#BBBBBB",
+                       linewidth=0)
+    for (device, kind), spans in bars.items():
+        ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="white", linewidth=0.6)
+    if label_microbatches and span > 0:
+        for e in trace.events:
+            width = e.duration * scale
+            if width / span > 0.012:
+                ax.text((e.start - origin) * scale + width / 2, e.device, str(e.microbatch), ha="center",
+                        va="center", fontsize=8 if width / span > 0.025 else 6, color="white")
+    ax.set_ylim(trace.n_devices - 0.5, -0.5)  # device 0 on top
     ax.set_yticks(range(trace.n_devices))
     ax.set_yticklabels([_device_label(trace, d) for d in range(trace.n_devices)])
-    ax.invert_yaxis()
 
 
 def _legend(ax, events, n_rows: int) -> None:

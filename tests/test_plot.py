@@ -14,15 +14,26 @@ def two_device_trace(source="replayed"):
     return Trace(events, memory, source, 2, 1, 2, "gpipe")
 
 
+def bar_spans(ax, color):
+    """(device row, start, width) of every bar drawn in `color`."""
+    found = []
+    for collection in ax.collections:
+        if tuple(collection.get_facecolor()[0][:3]) == mcolors.to_rgb(color):
+            for path in collection.get_paths():
+                (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
+                found.append((round((y0 + y1) / 2), round(x0, 6), round(x1 - x0, 6)))
+    return sorted(found)
+
+
 def test_timeline_draws_each_action_in_its_row_and_colour():
     trace = two_device_trace()
     ax = pl.plot.timeline(trace).axes[0]
-    bars = [p for p in ax.patches if p.get_facecolor()[:3] == mcolors.to_rgb(pl.plot.COLORS["F"])
-            or p.get_facecolor()[:3] == mcolors.to_rgb(pl.plot.COLORS["B"])]
-    assert len(bars) == 4
-    idle = [p for p in ax.patches if p.get_hatch()]
-    assert len(idle) == 2  # one hatched background per device: the gaps show as idle
+    # times are drawn in ms for a measured (replayed) trace: F0 on device 0 at 0..1 s = 0..1000 ms
+    assert bar_spans(ax, pl.plot.COLORS["F"]) == [(0, 0.0, 1000.0), (1, 1000.0, 1000.0)]
+    assert bar_spans(ax, pl.plot.COLORS["B"]) == [(0, 4000.0, 2000.0), (1, 2000.0, 2000.0)]
+    assert bar_spans(ax, pl.plot.IDLE) == [(0, 0.0, 6000.0), (1, 0.0, 6000.0)]  # idle shows behind the gaps
     assert [t.get_text() for t in ax.get_yticklabels()] == ["device 0", "device 1"]
+    assert ax.get_ylim()[0] > ax.get_ylim()[1]  # device 0 on top
     title = ax.get_title()
     assert "replayed" in title and "bubble 50.0%" in title  # busy 3 + 3 of 2 x 6
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
