@@ -1,0 +1,115 @@
+"""The explorer: drag the number of devices and micro-batches and watch the bubble change.
+
+The widget layer only wires controls to plain, tested functions: `explorer_view` (simulate
++ formula) and `run_for_real` (the local engine on the CPU beside its prediction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .costs import Costs
+from .schedules import GENERATORS, by_name
+from .simulate import simulate
+from .trace import Trace
+
+REAL_RUN_LIMITS = {"n_devices": 8, "n_microbatches": 16}
+
+
+@dataclass
+class ExplorerView:
+    trace: Trace
+    formula_bubble: float  # (p-1)/(m+p-1): GPipe §2.3, Megatron-LM SC21 §2.2.1 (no communication)
+
+    @property
+    def summary(self) -> str:
+        t = self.trace
+        return (f"{t.schedule_name}: p={t.n_stages}, m={t.n_microbatches} — simulated bubble "
+                f"{t.bubble_fraction:.1%}, formula (p-1)/(m+p-1) = {self.formula_bubble:.1%}; "
+                f"peak in-flight micro-batches on stage 0: {t.peak_inflight[0]}")
+
+
+def explorer_view(n_devices: int, n_microbatches: int, schedule: str = "1f1b", backward_ratio: float = 2.0,
+                  latency: float = 0.0) -> ExplorerView:
+    """Simulate one step with t_F = 1, t_B = `backward_ratio`, `latency` per message (in units of t_F)."""
+    trace = simulate(by_name(schedule, n_devices, n_microbatches),
+                     Costs(forward=1.0, backward=backward_ratio, latency=latency))
+    return ExplorerView(trace, (n_devices - 1) / (n_microbatches + n_devices - 1))
+
+
+def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", width: int = 256,
+                 samples_per_microbatch: int = 16, seed: int = 0) -> tuple[Trace, Trace]:
+    """Run the MLP for real on the CPU and predict the same step from profiled costs.
+
+    Returns (predicted, measured).  Kept small (p <= 8, m <= 16) so it answers in seconds.
+    """
+    import pipelab as pl
+
+    if n_devices > REAL_RUN_LIMITS["n_devices"] or n_microbatches > REAL_RUN_LIMITS["n_microbatches"]:
+        raise ValueError(f"a real run on the CPU is limited to p <= {REAL_RUN_LIMITS['n_devices']} and "
+                         f"m <= {REAL_RUN_LIMITS['n_microbatches']}; the simulator has no limit")
+    model = pl.models.mlp(depth=max(8, n_devices), width=width, seed=seed)
+    inputs, targets = pl.models.sample_batch(model, n_microbatches * samples_per_microbatch, seed=seed)
+    loss_fn = torch.nn.MSELoss()
+    pipe = pl.Pipeline(model, n_devices, n_microbatches, schedule, loss_fn, devices="cpu")
+    pipe.step(inputs, targets)  # warm-up
+    model.zero_grad(set_to_none=True)
+    measured = pipe.step(inputs, targets).trace
+    one_microbatch = (inputs[:samples_per_microbatch], targets[:samples_per_microbatch])
+    costs = Costs.from_profile(model, pipe.partition, one_microbatch, loss_fn, repeats=3)
+    return simulate(pipe.schedule, costs), measured
+
+
+def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"):
+    """The interactive dashboard (JupyterLab): sliders, the timeline, the bubble against the formula.
+
+    Returns an `ipywidgets.VBox`; `box.controls` holds the controls, `box.view` the latest
+    `ExplorerView` and `box.real` the latest (predicted, measured) pair of a real run.
+    """
+    import ipywidgets as w
+    import matplotlib.pyplot as plt
+
+    from . import plot
+
+    controls = {
+        "n_devices": w.IntSlider(value=n_devices, min=1, max=16, description="devices p"),
+        "n_microbatches": w.IntSlider(value=n_microbatches, min=1, max=64, description="micro-batches m"),
+        "schedule": w.Dropdown(options=sorted(GENERATORS), value=schedule, description="schedule"),
+        "backward_ratio": w.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="t_B / t_F"),
+        "latency": w.FloatSlider(value=0.0, min=0.0, max=2.0, step=0.1, description="latency / t_F"),
+    }
+    button = w.Button(description="run it for real (CPU)", icon="play")
+    summary, figure, real_output = w.HTML(), w.Output(), w.Output()
+    box = w.VBox([w.HBox([controls["n_devices"], controls["n_microbatches"], controls["schedule"]]),
+                  w.HBox([controls["backward_ratio"], controls["latency"], button]), summary, figure, real_output])
+    box.controls, box.real = controls, None
+
+    def redraw(_=None):
+        box.view = explorer_view(**{name: c.value for name, c in controls.items()})
+        summary.value = f"<b>{box.view.summary}</b>"
+        figure.clear_output(wait=True)
+        with figure:
+            fig = plot.timeline(box.view.trace)
+            plt.show()
+            plt.close(fig)
+
+    def real(_=None):
+        real_output.clear_output(wait=True)
+        with real_output:
+            try:
+                box.real = run_for_real(controls["n_devices"].value, controls["n_microbatches"].value,
+                                        controls["schedule"].value)
+            except ValueError as error:
+                print(error)
+                return
+            fig = plot.compare(*box.real)
+            plt.show()
+            plt.close(fig)
+
+    for control in controls.values():
+        control.observe(redraw, names="value")
+    button.on_click(real)
+    redraw()
+    return box
