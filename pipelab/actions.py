@@ -49,20 +49,18 @@ class Action(NamedTuple):
         return cls(match.group(2), found_stage, int(match.group(3)))
 
 
-def dependencies(action: Action, n_stages: int) -> list[Action]:
+def dependencies(action: Action, n_stages: int) -> tuple[tuple[str, int, int], ...]:
     """The actions whose results `action` needs (DESIGN.md, "a schedule is data").
 
     F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i).
+    Returned as plain tuples, which compare and hash equal to the `Action`s they name.
     """
     kind, stage, mb = action
     if kind == "F":
-        return [Action("F", stage - 1, mb)] if stage > 0 else []
+        return (("F", stage - 1, mb),) if stage > 0 else ()
     if kind == "B":
-        needs = [Action("F", stage, mb)]
-        if stage < n_stages - 1:
-            needs.append(Action("B", stage + 1, mb))
-        return needs
-    return [Action("B", stage, mb)]
+        return (("F", stage, mb), ("B", stage + 1, mb)) if stage < n_stages - 1 else (("F", stage, mb),)
+    return (("B", stage, mb),)
 
 
 @dataclass

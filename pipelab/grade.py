@@ -3,6 +3,7 @@
     pipelab grade                      every task that has tests
     pipelab grade 1.1                  one task (``task1_1`` works too)
     pipelab grade --impl solutions     the reference answers instead of exercises/
+    pipelab grade 1.2 -- -x            arguments after -- go to pytest
 
 For the chosen tasks it runs, in a subprocess,
 
@@ -15,9 +16,9 @@ NotImplementedError).  A test that runs past the timeout is stopped and reported
 If a test ignores the timeout (a loop inside C code, or hypothesis retrying a hanging
 example), a watchdog here kills the run and runs the remaining tasks again without it.
 
-Outcomes travel from the subprocess as JSON lines, written by the pytest hooks at the
-end of this file (loaded there with ``-p pipelab.grade``).  ``run_task_tests`` is also
-what tests/test_grading.py uses to check solutions, stubs and mutants.
+Outcomes travel from the subprocess as JSON lines, written to the file named by
+``PIPELAB_GRADE_RECORD`` by the hooks in tests/tasks/conftest.py.  ``run_task_tests`` is
+also what tests/test_grading.py uses to check solutions, stubs and mutants.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -46,9 +48,10 @@ class TestOutcome:
     nodeid: str
     task: str  # "1.1"
     status: str
+    impl: str = ""  # what --impl ran: exercises, solutions, or a directory
     message: str = ""
     error_type: str = ""
-    raised_in: str = ""  # "exercises/partition.py:52", the deepest frame in the course's files
+    raised_in: str = ""  # "exercises/partition.py:52": the deepest frame of non-library code
     function: str = ""  # the function of that frame
 
 
@@ -95,14 +98,17 @@ def lesson_path(lesson: str) -> str:
 
 
 def run_task_tests(
-    impl: str = "exercises",
+    impl: str | list[str] = "exercises",
     tasks: list[str] | None = None,
     timeout_s: float = DEFAULT_TIMEOUT_S,
     pytest_args: tuple[str, ...] = (),
 ) -> TestRun:
-    """Run tests/tasks (only ``tasks``, default all) against ``impl`` and collect outcomes."""
-    if impl not in PACKAGES:
-        impl = str(Path(impl).resolve())
+    """Run tests/tasks (only ``tasks``, default all) against ``impl`` and collect outcomes.
+
+    Several implementations run in one pytest process, each test once per implementation
+    (TestOutcome.impl tells them apart; directories are given as resolved paths)."""
+    choices = [impl] if isinstance(impl, str) else list(impl)
+    impl = ",".join(c if c in PACKAGES else str(Path(c).resolve()) for c in choices)
     run, collected, outcomes = TestRun(), {}, {}
     selected = tasks
     while selected is None or selected:
@@ -111,22 +117,22 @@ def run_task_tests(
         run.output = attempt["output"]
         collected = collected or attempt["collected"]
         outcomes.update(attempt["outcomes"])
-        hung = attempt["hung"]
-        if hung is None:
+        if attempt["hung"] is None:
             break
+        hung, hung_impl = attempt["hung"]
         hung_task = attempt["collected"][hung]
         outcomes[hung] = TestOutcome(
-            hung, hung_task, "timed_out",
+            hung, hung_task, "timed_out", hung_impl,
             f"timed out: still running after {_hard_limit_s(timeout_s):.0f} s and stopped "
             "(probably an infinite loop)",
         )
         unfinished = {t for nodeid, t in attempt["collected"].items() if nodeid not in outcomes}
         for nodeid, t in attempt["collected"].items():
             if t == hung_task and nodeid not in outcomes:
-                outcomes[nodeid] = TestOutcome(nodeid, t, "skipped", "not run: a test of this task hung")
+                outcomes[nodeid] = TestOutcome(nodeid, t, "skipped", message="not run: a test of this task hung")
         selected = sorted(unfinished - {hung_task})
     run.outcomes = [
-        outcomes.get(nodeid) or TestOutcome(nodeid, t, "not_run", "not run")
+        outcomes.get(nodeid) or TestOutcome(nodeid, t, "not_run", message="not run")
         for nodeid, t in collected.items()
     ]
     return run
@@ -140,27 +146,41 @@ def _run_pytest_once(impl, tasks, timeout_s, pytest_args) -> dict:
     with tempfile.TemporaryDirectory(prefix="pipelab-grade-") as tmp:
         record, log = Path(tmp) / "record.jsonl", Path(tmp) / "output.txt"
         command = [
-            sys.executable, "-m", "pytest", str(TASKS_DIR.relative_to(ROOT)),
-            "--impl", impl, "-p", "pipelab.grade", "--pipelab-record", str(record),
-            "-p", "no:cacheprovider", f"--timeout={timeout_s}", "-q", *pytest_args,
+            sys.executable, "-m", "pytest", *_test_paths(tasks), "--impl", impl,
+            # Only the graded tests: no addopts from pyproject (nbval's options), and no
+            # nbval plugin (2 s of imports), no cache; -q, --timeout and -m set here.
+            "-o", "addopts=", "-p", "no:nbval", "-p", "no:cacheprovider",
+            f"--timeout={timeout_s}", "-q", *pytest_args,
         ]
         if tasks is not None:
             command += ["-m", " or ".join(marker(t) for t in tasks)]
         state = {"collected": {}, "outcomes": {}, "errors": [], "hung": None, "running": None}
         with open(log, "wb") as output:
-            process = subprocess.Popen(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
+            env = {**os.environ, "PIPELAB_GRADE_RECORD": str(record)}
+            process = subprocess.Popen(
+                command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT
+            )
             offset = 0
             while process.poll() is None:
                 time.sleep(0.1)
                 offset = _read_events(record, offset, state)
                 running = state["running"]
-                if running and time.monotonic() - running[1] > _hard_limit_s(timeout_s):
+                if running and time.monotonic() - running[2] > _hard_limit_s(timeout_s):
                     process.kill()
                     process.wait()
-                    state["hung"] = running[0]
+                    state["hung"] = running[:2]
             _read_events(record, offset, state)
         state["output"] = log.read_text(encoding="utf-8", errors="replace")
         return state
+
+
+def _test_paths(tasks: list[str] | None) -> list[str]:
+    """tests/tasks, or only the named tasks' files (test_task1_1.py for 1.1), so that a run
+    of task 1.1 does not import torch for the other tasks' tests."""
+    files = [TASKS_DIR / f"test_{marker(task)}.py" for task in tasks or []]
+    if tasks is None or not all(path.is_file() for path in files):
+        return [str(TASKS_DIR.relative_to(ROOT))]
+    return [str(path.relative_to(ROOT)) for path in files]
 
 
 def _read_events(record: Path, offset: int, state: dict) -> int:
@@ -178,7 +198,7 @@ def _read_events(record: Path, offset: int, state: dict) -> int:
         elif kind == "collect_error":
             state["errors"].append(event["message"])
         elif kind == "start":
-            state["running"] = (event["nodeid"], time.monotonic())
+            state["running"] = (event["nodeid"], event["impl"], time.monotonic())
         else:
             task = state["collected"].get(event["nodeid"], "")
             state["outcomes"][event["nodeid"]] = TestOutcome(task=task, **event)
@@ -219,7 +239,7 @@ def format_report(run: TestRun, tasks: list[str], impl: str) -> str:
             lines.append(f"      still raising NotImplementedError: {', '.join(stubs)}")
         else:
             lines.append(f"{head}: failing ({n_ok} of {len(outcomes)} tests pass)")
-            lines += _first_failure(outcomes)
+            lines += _first_failure(outcomes, impl)
         if lesson:
             lines.append(f"      read:  {lesson_path(lesson)}")
     for error in run.errors:
@@ -230,7 +250,7 @@ def format_report(run: TestRun, tasks: list[str], impl: str) -> str:
     return "\n".join(lines)
 
 
-def _first_failure(outcomes: list[TestOutcome]) -> list[str]:
+def _first_failure(outcomes: list[TestOutcome], impl: str) -> list[str]:
     failing = [o for o in outcomes if o.status in ("failed", "timed_out")]
     failing = failing or [o for o in outcomes if o.status not in ("passed", "skipped")]
     if not failing:
@@ -242,8 +262,9 @@ def _first_failure(outcomes: list[TestOutcome]) -> list[str]:
         lines.append(f"        (at {first.raised_in}, in {first.function})")
     not_run = sum(o.status in ("skipped", "not_run") for o in outcomes)
     if not_run:
-        lines.append(f"      ({not_run} other tests of this task were not run)")
-    lines.append(f'      rerun it:  python -m pytest "{first.nodeid}"')
+        lines.append(f"      ({not_run} other test{'s were' if not_run > 1 else ' was'} not run)")
+    impl_option = "" if impl == "exercises" else f" --impl {impl}"
+    lines.append(f'      rerun it:  python -m pytest "{first.nodeid}"{impl_option}')
     return lines
 
 
@@ -266,6 +287,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="exercises (default), solutions, or a directory of modules")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="seconds a test may run before it is stopped (default 60)")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pytest_args = []
+    if "--" in argv:  # pipelab grade 1.1 -- -x: what follows -- goes to pytest
+        argv, pytest_args = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     try:
         args = parser.parse_args(argv)
     except SystemExit as exit_:
@@ -289,104 +314,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(valid)} (write them as 1.1 or task1_1)", file=sys.stderr)
         return 2
 
-    run = run_task_tests(args.impl, tasks, timeout_s=args.timeout)
+    run = run_task_tests(args.impl, tasks, timeout_s=args.timeout, pytest_args=tuple(pytest_args))
     print(format_report(run, tasks, args.impl))
     passed = all(task_status([o for o in run.outcomes if o.task == t]) == "passed" for t in tasks)
     return 0 if passed and not run.errors else 1
-
-
-# ---- pytest hooks, active in the subprocess started by run_task_tests -------------------
-
-_session = {"config": None, "timed_out_tasks": set()}  # one pytest session per subprocess
-
-
-def pytest_addoption(parser) -> None:
-    parser.addoption("--pipelab-record", default=None, help="(pipelab grade) outcomes file")
-
-
-def pytest_configure(config) -> None:
-    _session["config"] = config
-
-
-def _record(**event) -> None:
-    path = _session["config"].getoption("pipelab_record")
-    if path:
-        with open(path, "a", encoding="utf-8") as stream:
-            stream.write(json.dumps(event) + "\n")
-
-
-def _task_of(item) -> str:
-    names = (task_id(mark.name) for mark in item.iter_markers())
-    return next((name for name in names if name), "")
-
-
-def pytest_collection_finish(session) -> None:
-    _record(event="collected", tests={item.nodeid: _task_of(item) for item in session.items})
-
-
-def pytest_runtest_logstart(nodeid, location) -> None:
-    _record(event="start", nodeid=nodeid)
-
-
-def pytest_runtest_setup(item) -> None:
-    task = _task_of(item)
-    if item.config.getoption("pipelab_record") and task in _session["timed_out_tasks"]:
-        import pytest
-
-        pytest.skip(f"not run: a test of task {task} timed out")
-
-
-def pytest_exception_interact(node, call, report) -> None:
-    import pytest
-
-    if not isinstance(node, pytest.Item):
-        _record(event="collect_error", message=str(report.longrepr)[-3000:])
-        return
-    excinfo = call.excinfo
-    text = excinfo.exconly()
-    if "from pytest-timeout" in text:
-        status = "timed_out"
-        text = f"timed out after {node.config.getoption('timeout'):g} s (probably an infinite loop)"
-        _session["timed_out_tasks"].add(_task_of(node))
-    elif _is_not_implemented(excinfo.value):
-        status = "not_implemented"
-    else:
-        status = "failed"
-    raised_in, function = _deepest_course_frame(excinfo.traceback)
-    _record(event="result", nodeid=node.nodeid, status=status, message=_short(text),
-            error_type=excinfo.typename, raised_in=raised_in, function=function)
-
-
-def pytest_runtest_logreport(report) -> None:
-    if report.skipped:
-        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        _record(event="result", nodeid=report.nodeid, status="skipped", message=reason)
-    elif report.passed and report.when == "call":
-        _record(event="result", nodeid=report.nodeid, status="passed")
-
-
-def _deepest_course_frame(traceback) -> tuple[str, str]:
-    """('exercises/partition.py:52', 'balanced_bounds'): the last frame in the course's files."""
-    for entry in reversed(traceback):
-        try:
-            path = Path(str(entry.path)).resolve().relative_to(ROOT)
-        except ValueError:
-            continue
-        if not path.parts[0].startswith(".") and "site-packages" not in path.parts:
-            return f"{path}:{entry.lineno + 1}", entry.name
-    return "", ""
-
-
-def _is_not_implemented(error: BaseException) -> bool:
-    group = getattr(error, "exceptions", None)  # hypothesis may raise an ExceptionGroup
-    if group:
-        return all(_is_not_implemented(inner) for inner in group)
-    return isinstance(error, NotImplementedError)
-
-
-def _short(text: str, max_lines: int = 6, max_chars: int = 600) -> str:
-    lines = [line for line in text.splitlines() if line.strip()][:max_lines]
-    return "\n".join(lines)[:max_chars]
 
 
 if __name__ == "__main__":

@@ -88,6 +88,13 @@ def validate(schedule: Schedule) -> Schedule:
     found by running them (`pipelab.timing`): a device whose next action waits for
     something later in its own list, or a cycle of devices waiting on each other.
     """
+    check_structure(schedule)
+    explain_stuck(schedule, run_dependencies(schedule, duration=lambda a: 1.0))
+    return schedule
+
+
+def check_structure(schedule: Schedule) -> None:
+    """Everything `validate` checks except the dependencies (which need a run of `pipelab.timing`)."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate expects a pipelab Schedule, got {type(schedule).__name__}")
     _check_counts(schedule.n_stages, schedule.n_microbatches)
@@ -96,8 +103,6 @@ def validate(schedule: Schedule) -> Schedule:
     _check_entries(schedule)
     _check_stage_placement(schedule)
     _check_complete(schedule)
-    _check_dependencies(schedule)
-    return schedule
 
 
 def _check_entries(schedule: Schedule) -> None:
@@ -149,8 +154,8 @@ def _check_complete(schedule: Schedule) -> None:
     for stage in range(schedule.n_stages):
         for mb in range(schedule.n_microbatches):
             for kind in kinds:
-                action = Action(kind, stage, mb)
-                if action not in present:
+                if (kind, stage, mb) not in present:
+                    action = Action(kind, stage, mb)
                     why = (
                         "the schedule has W actions, so every B needs its W"
                         if kind == "W"
@@ -159,8 +164,8 @@ def _check_complete(schedule: Schedule) -> None:
                     raise ScheduleError(f"missing action {action} ({action.describe()}): {why}")
 
 
-def _check_dependencies(schedule: Schedule) -> None:
-    timing = run_dependencies(schedule, duration=lambda a: 1.0)
+def explain_stuck(schedule: Schedule, timing) -> None:
+    """Raise ScheduleError explaining why the run `timing` of `schedule` got stuck (no-op if it finished)."""
     if not timing.stuck:
         return
     device_of = {a: d for d, row in enumerate(schedule.actions) for a in row}

@@ -14,7 +14,7 @@ from typing import Mapping
 
 from .actions import Action, Schedule
 from .costs import Costs
-from .schedules import validate
+from .schedules import check_structure, explain_stuck
 from .timing import run_dependencies
 from .trace import Event, MemorySample, Trace
 
@@ -25,7 +25,7 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None = 
     `costs` may also map every action to its seconds — e.g. `trace.durations()` of a
     measured step — to replay that step exactly (free links, no memory model).
     """
-    validate(schedule)
+    check_structure(schedule)
     p = schedule.n_stages
     if isinstance(costs, Mapping):
         missing = [a for a in schedule.all_actions() if a not in costs]
@@ -38,32 +38,35 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None = 
         costs = Costs() if costs is None else costs
         if not isinstance(costs, Costs):
             raise TypeError(f"costs must be a pl.Costs or a dict of action durations, got {type(costs).__name__}")
-        kind_cost = {"F": "forward", "B": "backward", "W": "weight"}
+        seconds = {kind: [costs.per_stage(name, s, p) for s in range(p)]
+                   for kind, name in (("F", "forward"), ("B", "backward"), ("W", "weight"))}
 
         def duration(action: Action) -> float:
-            return costs.per_stage(kind_cost[action.kind], action.stage, p)
+            return seconds[action[0]][action[1]]
 
-    def delay(sender: Action, receiver: Action) -> float:
-        boundary = min(sender.stage, receiver.stage)  # F(s-1)->F(s) and B(s+1)->B(s) cross boundary s-1 / s
-        return costs.message_seconds(boundary, p) if sender.stage != receiver.stage else 0.0
-
+    # A message crosses the boundary after stage min(sender, receiver): F(s-1)->F(s), B(s+1)->B(s).
+    message = [costs.message_seconds(s, p) for s in range(p)]
+    delay = (lambda sender, receiver: message[min(sender[1], receiver[1])]) if any(message) else None
     timing = run_dependencies(schedule, duration, delay)
+    explain_stuck(schedule, timing)  # a deadlock does not depend on the durations
     device_of = schedule.device_of_stage()
-    events = [Event(a.stage, a.kind, a.microbatch, timing.start[a], timing.end[a], device_of[a.stage])
-              for a in timing.order]
+    start, end = timing.start, timing.end
+    events = [Event(a[1], a[0], a[2], start[a], end[a], device_of[a[1]]) for a in timing.order]  # (kind, stage, mb)
     return Trace(events, _memory(events, schedule, costs), "simulated", p, schedule.n_microbatches,
                  schedule.n_devices, schedule.name)
 
 
 def _memory(events: list[Event], schedule: Schedule, costs: Costs) -> list[MemorySample]:
-    split_backward = any(e.kind == "W" for e in events)
-    frees = "W" if split_backward else "B"
+    frees = "W" if any(e.kind == "W" for e in events) else "B"
+    kept = [costs.per_stage("memory_bytes", s, schedule.n_stages) for s in range(schedule.n_stages)]
     held = [0.0] * schedule.n_devices
     samples = [MemorySample(d, 0.0, 0) for d in range(schedule.n_devices)]
     for e in sorted(events, key=lambda e: e.end):
-        if e.kind not in ("F", frees):
+        if e.kind == "F":
+            held[e.device] += kept[e.stage]
+        elif e.kind == frees:
+            held[e.device] -= kept[e.stage]
+        else:
             continue
-        size = costs.per_stage("memory_bytes", e.stage, schedule.n_stages)
-        held[e.device] += size if e.kind == "F" else -size
         samples.append(MemorySample(e.device, e.end, round(held[e.device])))
     return samples

@@ -25,60 +25,71 @@ from typing import Callable
 from .actions import Action, Schedule, dependencies
 
 Duration = Callable[[Action], float]
-Delay = Callable[[Action, Action], float]
+Delay = Callable[[tuple, Action], float]  # (producer as a (kind, stage, microbatch) tuple, consumer) -> seconds
 
 
 @dataclass
 class Timing:
     start: dict[Action, float]
     end: dict[Action, float]
-    order: list[Action]  # every action that ran, in a dependency-respecting order
+    order: list[Action]  # every action that ran, in the order the loop timed them (dependencies first)
     stuck: dict[int, tuple[Action, Action]]  # device -> (its next action, the result it waits for)
 
     @property
     def makespan(self) -> float:
         return max(self.end.values(), default=0.0) - min(self.start.values(), default=0.0)
 
+    def time_order(self) -> list[Action]:
+        """`order` sorted by start time (ties keep dependency order): how a single host issues the work."""
+        rank = {a: i for i, a in enumerate(self.order)}
+        return sorted(self.order, key=lambda a: (self.start[a], rank[a]))
+
 
 def run_dependencies(schedule: Schedule, duration: Duration, delay: Delay | None = None) -> Timing:
     """Time every action of `schedule` (see the module docstring for the rule)."""
-    device_of = {a: d for d, row in enumerate(schedule.actions) for a in row}
+    actions = schedule.actions
+    n_stages = schedule.n_stages
+    device_of = {a: d for d, row in enumerate(actions) for a in row} if delay is not None else {}
     start: dict[Action, float] = {}
     end: dict[Action, float] = {}
     order: list[Action] = []
-    next_index = [0] * schedule.n_devices
-    device_free = [0.0] * schedule.n_devices
+    next_index = [0] * len(actions)
+    device_free = [0.0] * len(actions)
     parked: dict[Action, list[int]] = {}
     waiting_for: dict[int, tuple[Action, Action]] = {}
-    runnable = deque(range(schedule.n_devices))
+    runnable = deque(range(len(actions)))
 
     while runnable:
         device = runnable.popleft()
-        row = schedule.actions[device]
-        while next_index[device] < len(row):
-            action = row[next_index[device]]
-            ready = device_free[device]
-            missing = None
-            for needed in dependencies(action, schedule.n_stages):
-                if needed not in end:
+        row = actions[device]
+        index, ready_at = next_index[device], device_free[device]
+        while index < len(row):
+            action = row[index]
+            ready, missing = ready_at, None
+            for needed in dependencies(action, n_stages):
+                finished = end.get(needed)
+                if finished is None:
                     missing = needed
                     break
-                arrival = end[needed]
                 if delay is not None and device_of.get(needed) != device:
-                    arrival += delay(needed, action)
-                ready = max(ready, arrival)
+                    finished += delay(needed, action)
+                if finished > ready:
+                    ready = finished
             if missing is not None:
                 parked.setdefault(missing, []).append(device)
-                waiting_for[device] = (action, missing)
+                waiting_for[device] = (action, Action(*missing))
                 break
-            waiting_for.pop(device, None)
             start[action] = ready
-            end[action] = device_free[device] = ready + duration(action)
+            end[action] = ready_at = ready + duration(action)
             order.append(action)
-            next_index[device] += 1
-            runnable.extend(parked.pop(action, ()))
+            index += 1
+            woken = parked.pop(action, None)
+            if woken:
+                runnable.extend(woken)
+        else:
+            waiting_for.pop(device, None)
+        next_index[device], device_free[device] = index, ready_at
 
-    order.sort(key=lambda a, seq={a: i for i, a in enumerate(order)}: (start[a], seq[a]))
     return Timing(start, end, order, waiting_for)
 
 

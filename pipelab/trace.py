@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 from .actions import Action
 
@@ -26,8 +27,7 @@ SOURCE_LABELS = {
 }
 
 
-@dataclass(frozen=True)
-class Event:
+class Event(NamedTuple):
     stage: int
     kind: str
     microbatch: int
@@ -44,8 +44,7 @@ class Event:
         return self.end - self.start
 
 
-@dataclass(frozen=True)
-class MemorySample:
+class MemorySample(NamedTuple):
     device: int
     time: float  # seconds
     bytes: int  # activation bytes held on `device` from `time` on

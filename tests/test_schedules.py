@@ -337,7 +337,7 @@ def test_delay_is_only_paid_between_devices():
     assert timing.makespan == 4.0
     # the delay function is asked about the (producer, consumer) pair
     seen = []
-    run_dependencies(schedules.gpipe(2, 1), lambda a: 1.0, delay=lambda a, b: seen.append((str(a), str(b))) or 0.0)
+    run_dependencies(schedules.gpipe(2, 1), lambda a: 1.0, delay=lambda a, b: seen.append((str(Action(*a)), str(b))) or 0.0)
     assert sorted(seen) == [("0F0", "1F0"), ("1B0", "0B0")]
 
 

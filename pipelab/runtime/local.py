@@ -79,7 +79,7 @@ class Pipeline:
             stage.to(device)
         self.parameters = [list(stage.parameters()) for stage in self.partition.stages]
         self._warm = False
-        self.order = run_dependencies(self.schedule, duration=lambda a: 1.0).order
+        self.order = run_dependencies(self.schedule, duration=lambda a: 1.0).time_order()
         device_of_stage = self.schedule.device_of_stage()
         self.wall_clock = (
             all(d.type == "cuda" for d in self.devices) and len(set(self.devices)) == n_stages

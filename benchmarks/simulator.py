@@ -1,0 +1,75 @@
+"""Simulator figures: throughput, explorer update time, and predicted vs measured makespan.
+
+    python benchmarks/simulator.py
+
+1. Throughput: `pl.simulate` of 1F1B at p=64, m=1024 (131,072 actions), validation
+   included; target >= 500k actions/s.
+2. Explorer update: simulate + draw the timeline at p=16, m=64; target <= 150 ms median.
+3. Prediction: the MLP at p=4, m=8 on the CPU, makespan predicted from profiled costs
+   (`Costs.from_profile` on one micro-batch) vs the measured (replayed) makespan; target
+   within 10 %.  Medians over several steps; all figures from this one run.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+import pipelab as pl  # noqa: E402
+from pipelab.widgets import explorer_view  # noqa: E402
+
+
+def throughput(repeats: int = 3) -> float:
+    schedule = pl.schedules.one_f_one_b(64, 1024)
+    n_actions = len(schedule.all_actions())
+    seconds = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        pl.simulate(schedule, pl.Costs(1.0, 2.0))
+        seconds.append(time.perf_counter() - begin)
+    rate = n_actions / min(seconds)
+    print(f"1. simulator: 1F1B p=64 m=1024, {n_actions} actions in {min(seconds) * 1e3:.0f} ms (best of {repeats}) "
+          f"= {rate / 1e3:.0f}k actions/s (target >= 500k: {'met' if rate >= 5e5 else 'NOT met'})")
+    return rate
+
+
+def explorer_update(repeats: int = 10) -> float:
+    seconds = []
+    for _ in range(repeats):
+        begin = time.perf_counter()
+        fig = pl.plot.timeline(explorer_view(16, 64, "1f1b").trace)
+        fig.canvas.draw()
+        seconds.append(time.perf_counter() - begin)
+        plt.close(fig)
+    median = statistics.median(seconds)
+    print(f"2. explorer update (simulate + draw, p=16 m=64): median {median * 1e3:.0f} ms over {repeats} "
+          f"(target <= 150 ms: {'met' if median <= 0.150 else 'NOT met'})")
+    return median
+
+
+def prediction(steps: int = 7) -> float:
+    model = pl.models.mlp(depth=8, width=512, seed=0)
+    x, y = pl.models.sample_batch(model, 8 * 32)
+    loss_fn = torch.nn.MSELoss()
+    pipe = pl.Pipeline(model, 4, 8, "1f1b", loss_fn, devices="cpu")
+    pipe.step(x, y)
+    costs = pl.Costs.from_profile(model, pipe.partition, (x[:32], y[:32]), loss_fn, repeats=7)
+    predicted = pl.simulate(pipe.schedule, costs).makespan
+    measured = statistics.median(pipe.step(x, y).trace.makespan for _ in range(steps))
+    error = predicted / measured - 1
+    print(f"3. prediction: MLP 8x512, p=4 m=8 1F1B on CPU: predicted {predicted * 1e3:.1f} ms, measured "
+          f"{measured * 1e3:.1f} ms (median of {steps}), error {error:+.1%} (target within 10 %: "
+          f"{'met' if abs(error) <= 0.10 else 'NOT met'})")
+    return error
+
+
+if __name__ == "__main__":
+    throughput()
+    explorer_update()
+    prediction()
