@@ -159,7 +159,8 @@ def compare(predicted: Trace, measured: Trace, labels: tuple[str, str] = ("predi
         if not isinstance(trace, Trace):
             raise TypeError(f"compare expects two pipelab Traces, got {type(trace).__name__}")
     fig, axes = plt.subplots(2, 1, figsize=(10, 0.5 * (predicted.n_devices + measured.n_devices) + 3), sharex=True)
-    scale, unit = _time_unit(max(predicted.makespan, measured.makespan), "measured")
+    both_simulated = predicted.source == measured.source == "simulated"
+    scale, unit = _time_unit(max(predicted.makespan, measured.makespan), "simulated" if both_simulated else "measured")
     for ax, trace, label in zip(axes, (predicted, measured), labels):
         _draw(ax, trace, scale)
         ax.set_title(f"{label} — {trace.source_label}: makespan {trace.makespan * scale:.4g} "

@@ -97,6 +97,15 @@ class Trace:
         return 1.0 - sum(self.busy_time) / (self.n_devices * self.makespan)
 
     @property
+    def speedup(self) -> float:
+        """Work done / makespan = n_devices x (1 - bubble_fraction): how many devices' worth were busy.
+
+        Equals the speed-up over one device running the same actions back to back (no
+        communication); p·m/(m+p-1) for GPipe/1F1B with uniform stages.
+        """
+        return sum(self.busy_time) / self.makespan if self.makespan else 0.0
+
+    @property
     def peak_inflight(self) -> list[int]:
         """Most micro-batches whose activations a stage holds at once (forward started, backward not done).
 

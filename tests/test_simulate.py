@@ -99,3 +99,10 @@ def test_costs_from_profile_measure_the_stages_and_keep_grads():
     assert costs.activation_bytes[0] == 4 * 16 * 4  # stage 0 sends a (4 x 16) fp32 activation
     assert costs.memory_bytes[0] == 4 * (4 * 16 * 4)  # two Linear inputs and two GELU inputs
     assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("p,m", [(4, 8), (8, 32), (2, 1)])
+def test_speedup_is_p_m_over_m_plus_p_minus_1(p, m):
+    trace = pl.simulate(pl.schedules.one_f_one_b(p, m), pl.Costs(1.0, 3.0))
+    assert trace.speedup == pytest.approx(p * m / (m + p - 1))
+    assert trace.speedup == pytest.approx(p * (1 - trace.bubble_fraction))
