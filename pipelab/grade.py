@@ -247,6 +247,8 @@ def format_report(run: TestRun, tasks: list[str], impl: str) -> str:
     if not run.outcomes and not run.errors:
         lines += ["", "no test ran; pytest said:", run.output[-3000:]]
     lines += ["", f"{n_passed} of {len(tasks)} tasks pass."]
+    if n_passed < len(tasks) and impl == "exercises":
+        lines.append("Edit the file in exercises/, then run `pipelab grade <task>` again.")
     return "\n".join(lines)
 
 
@@ -307,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipelab grade needs {', '.join(missing)}: pip install -e '.[dev]'", file=sys.stderr)
         return 2
     valid = tasks_with_tests()
-    tasks = [task_id(text) for text in args.tasks] or valid
-    unknown = [text for text, task in zip(args.tasks, tasks) if task not in valid]
+    tasks = list(dict.fromkeys(task_id(text) for text in args.tasks)) or valid
+    unknown = [text for text in args.tasks if task_id(text) not in valid]
     if unknown:
         print(f"pipelab grade: unknown task {', '.join(unknown)}; tasks with tests: "
               f"{', '.join(valid)} (write them as 1.1 or task1_1)", file=sys.stderr)

@@ -114,3 +114,22 @@ def test_other_splits_are_exact_too(split_method):
     ref_loss, ref_grads = reference(model, x, y, loss_fn)
     pipe = pl.Pipeline(model, 3, 4, "1f1b", loss_fn, devices="cpu", split_method=split_method, sample=x)
     assert_matches(model, pipe.step(x, y), ref_loss, ref_grads, split_method)
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["always", "except_last", [True, False, True]])
+def test_activation_checkpointing_keeps_gradients_exact(kind, schedule, checkpoint):
+    model = make_model(kind)
+    loss_fn = pl.models.default_loss(model)
+    x, y = pl.models.sample_batch(model, BATCH, seed=3)
+    ref_loss, ref_grads = reference(model, x, y, loss_fn)
+    stage_counts = [3] if isinstance(checkpoint, list) else [1, 3, 8]
+    for n_stages in stage_counts:
+        for n_microbatches in (1, 5, 16):
+            model.zero_grad(set_to_none=True)
+            pipe = pl.Pipeline(model, n_stages, n_microbatches, schedule, loss_fn, devices="cpu",
+                               checkpoint=checkpoint)
+            result = pipe.step(x, y)
+            assert_matches(model, result, ref_loss, ref_grads,
+                           f"{kind} {schedule} checkpoint={checkpoint} p={n_stages} m={n_microbatches}")

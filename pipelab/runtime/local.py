@@ -35,6 +35,19 @@ from . import stage as stage_ops
 from .devices import assign_devices
 
 
+def checkpoint_plan(checkpoint, n_stages: int) -> list[bool]:
+    """Resolve the `checkpoint` option to one boolean per stage."""
+    if isinstance(checkpoint, str):
+        plans = {"never": [False] * n_stages, "always": [True] * n_stages,
+                 "except_last": [True] * (n_stages - 1) + [False]}
+        if checkpoint not in plans:
+            raise ValueError(f"checkpoint must be one of {sorted(plans)} or a list of booleans, got {checkpoint!r}")
+        return plans[checkpoint]
+    if isinstance(checkpoint, (list, tuple)) and len(checkpoint) == n_stages and all(isinstance(c, bool) for c in checkpoint):
+        return list(checkpoint)
+    raise ValueError(f"checkpoint as a list needs one boolean per stage ({n_stages}), got {checkpoint!r}")
+
+
 @dataclass
 class StepResult:
     loss: float  # mean loss over the whole batch
@@ -53,12 +66,15 @@ class Pipeline:
         schedule: "gpipe", "1f1b" or a `Schedule` for the same p and m (validated).
         loss_fn: loss(output, target) returning the *mean* over a micro-batch.
         devices: "auto", "cpu", "cuda", a device name, or a list with one device per stage.
-        split: "uniform", "params", "time" (needs `sample`) or a ready `Partition`.
+        split_method: "uniform", "params", "time" (needs `sample`) or a ready `Partition`.
+        checkpoint: activation checkpointing per stage: "never", "always", "except_last"
+            (the last stage runs B right after F in 1F1B, so recomputing there saves little)
+            or a list of booleans, one per stage.
     """
 
     def __init__(self, model: nn.Module, n_stages: int, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, devices: Any = "auto", split_method: str | Partition = "uniform",
-                 sample: Any = None):
+                 sample: Any = None, checkpoint: str | list[bool] = "never"):
         if loss_fn is None or not callable(loss_fn):
             raise TypeError("Pipeline needs loss_fn=<callable(output, target) -> mean loss of the micro-batch>")
         if getattr(loss_fn, "reduction", "mean") != "mean":
@@ -74,6 +90,7 @@ class Pipeline:
         self.model, self.loss_fn = model, loss_fn
         self.n_stages, self.n_microbatches = n_stages, n_microbatches
         self.schedule = self._resolve_schedule(schedule)
+        self.checkpoint = checkpoint_plan(checkpoint, n_stages)
         self.devices = assign_devices(devices, n_stages)
         for stage, device in zip(self.partition.stages, self.devices):
             stage.to(device)
@@ -115,7 +132,8 @@ class Pipeline:
         received: dict[tuple[int, int], Any] = {}  # (stage, mb) -> activation that arrived
         gradients: dict[tuple[int, int], torch.Tensor] = {}  # (stage, mb) -> gradient that arrived
         kept: dict[tuple[int, int], stage_ops.InFlight] = {}
-        saved_bytes: dict[tuple[int, int], int] = {}
+        saved_bytes: dict[tuple[int, int], int] = {}  # held from F to B
+        recomputed_bytes: dict[tuple[int, int], int] = {}  # held during B only (checkpointed stages)
         losses = [0.0] * self.n_microbatches
         clock = _Clock(self.devices)
         allocated: dict[Action, int] = {}
@@ -130,14 +148,17 @@ class Pipeline:
                     self.partition.stages[s], arrived, self.parameters[s], is_first=(s == 0),
                     loss_fn=self.loss_fn if s == last else None,
                     target=_to(target_chunks[i], device) if s == last else None, weight=weights[i],
+                    checkpoint=self.checkpoint[s],
                 )
                 kept[(s, i)], saved_bytes[(s, i)] = flight, flight.saved_bytes
                 if s < last:
-                    received[(s + 1, i)] = flight.output.detach().to(self.devices[s + 1])
+                    received[(s + 1, i)] = flight.sent.to(self.devices[s + 1])
                 else:
                     losses[i] = flight.loss.detach()
             else:
-                gradient = stage_ops.backward(kept.pop((s, i)), gradients.pop((s, i), None))
+                flight = kept.pop((s, i))
+                gradient = stage_ops.backward(flight, gradients.pop((s, i), None))
+                recomputed_bytes[(s, i)] = flight.recomputed_bytes
                 if s > 0:
                     gradients[(s - 1, i)] = gradient.to(self.devices[s - 1])
             clock.end(action, device)
@@ -145,7 +166,7 @@ class Pipeline:
                 allocated[action] = torch.cuda.memory_allocated(device)
         wall_seconds = time.perf_counter() - step_begin
 
-        trace = self._trace(clock, saved_bytes, allocated)
+        trace = self._trace(clock, saved_bytes, recomputed_bytes, allocated)
         losses = [float(loss) for loss in losses]
         loss = sum(w * l for w, l in zip(weights, losses))
         return StepResult(loss, trace, losses, wall_seconds, sum(trace.durations().values()))
@@ -172,7 +193,7 @@ class Pipeline:
             x = out.detach()
         self._warm = True
 
-    def _trace(self, clock: "_Clock", saved_bytes: dict, allocated: dict) -> Trace:
+    def _trace(self, clock: "_Clock", saved_bytes: dict, recomputed_bytes: dict, allocated: dict) -> Trace:
         durations = clock.durations()
         if self.wall_clock:
             start, end, source = clock.wall_starts(), None, "measured"
@@ -182,16 +203,32 @@ class Pipeline:
             start, end, source = timing.start, timing.end, "replayed"
         device_of_stage = self.schedule.device_of_stage()
         events = [Event(a.stage, a.kind, a.microbatch, start[a], end[a], device_of_stage[a.stage]) for a in self.order]
-        memory = [MemorySample(d, 0.0, 0) for d in range(self.schedule.n_devices)]
-        held = [0] * self.schedule.n_devices
-        for event in sorted(events, key=lambda e: e.end):
-            bytes_ = saved_bytes[(event.stage, event.microbatch)]
-            held[event.device] += bytes_ if event.kind == "F" else -bytes_
-            memory.append(MemorySample(event.device, event.end, held[event.device]))
+        memory = activation_samples(events, saved_bytes, recomputed_bytes, self.schedule.n_devices)
+        for event in events:
             if event.action in allocated:
                 memory.append(MemorySample(event.device, event.end, allocated[event.action], "allocated"))
         return Trace(events, memory, source, self.n_stages, self.n_microbatches, self.schedule.n_devices,
                      self.schedule.name, [str(d) for d in self.devices])
+
+
+def activation_samples(events: list[Event], held_bytes: dict, transient_bytes: dict, n_devices: int) -> list[MemorySample]:
+    """Activation bytes per device over time: +held at the end of F(s, i), +transient at the start of
+    B(s, i) (a checkpointed stage recomputing its forward), all of it released at the end of B(s, i)."""
+    changes = []  # (time, order at equal times: releases first, device, delta)
+    for e in events:
+        key = (e.stage, e.microbatch)
+        if e.kind == "F":
+            changes.append((e.end, 1, e.device, held_bytes[key]))
+        elif e.kind == "B":
+            if transient_bytes.get(key):
+                changes.append((e.start, 1, e.device, transient_bytes[key]))
+            changes.append((e.end, 0, e.device, -held_bytes[key] - transient_bytes.get(key, 0)))
+    held = [0] * n_devices
+    samples = [MemorySample(d, 0.0, 0) for d in range(n_devices)]
+    for time_, _, device, delta in sorted(changes):
+        held[device] += delta
+        samples.append(MemorySample(device, time_, held[device]))
+    return samples
 
 
 class _Clock:

@@ -9,6 +9,11 @@ add up to the gradient of the whole batch.
 Activation memory is measured as autograd keeps it: every tensor saved for backward
 during the forward passes through `torch.autograd.graph.saved_tensors_hooks`; the bytes
 of their storages are summed once per storage, leaving out the stage's own parameters.
+
+Activation checkpointing (Chen et al. 2016, "Training deep nets with sublinear memory
+cost"): the forward runs without building a graph and keeps only the stage's input; the
+backward first runs the forward again (with the random state of the first run), then
+backpropagates.  Memory between F and B drops to the input; B costs one more forward.
 """
 
 from __future__ import annotations
@@ -25,9 +30,12 @@ class InFlight:
     """What a stage keeps for one micro-batch between its forward and its backward."""
 
     input: Any
-    output: torch.Tensor  # the stage output, or the weighted loss on the last stage
-    saved_bytes: int
+    output: torch.Tensor | None  # the stage output (or weighted loss on the last stage); None if checkpointed
+    saved_bytes: int  # bytes held from F to B: saved activations, or only the input when checkpointed
     loss: torch.Tensor | None = None  # unweighted micro-batch loss (last stage)
+    recompute: Callable[[], tuple[torch.Tensor, int]] | None = None  # checkpointed: redo the forward
+    recomputed_bytes: int = 0  # bytes the recomputation saved during the backward
+    sent: torch.Tensor | None = None  # the activation for the next stage (no graph attached)
 
 
 class SavedBytesCounter:
@@ -54,24 +62,58 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 
 
 def forward(stage: nn.Module, received: Any, parameters: list[torch.Tensor], is_first: bool,
-            loss_fn: Callable | None = None, target: Any = None, weight: float = 1.0) -> InFlight:
+            loss_fn: Callable | None = None, target: Any = None, weight: float = 1.0,
+            checkpoint: bool = False) -> InFlight:
     """Run `stage` on `received`; on the last stage (loss_fn given) also the loss, times `weight`."""
     if is_first or not isinstance(received, torch.Tensor) or not received.is_floating_point():
         inp = received
     else:
         inp = received.detach().requires_grad_(True)
-    counter = SavedBytesCounter(parameters)
-    with counter.hooks():
-        output = stage(inp)
-        loss = None
-        if loss_fn is not None:
-            loss = loss_fn(output, target)
-            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                raise TypeError("loss_fn must return a scalar tensor (the mean loss of the micro-batch)")
-            output = loss * weight
-    if loss_fn is None:
-        check_activation(output)
-    return InFlight(inp, output, counter.bytes, loss)
+
+    def run(exclude: set = frozenset()) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        counter = SavedBytesCounter(parameters)
+        counter.excluded |= exclude
+        with counter.hooks():
+            output = stage(inp)
+            loss = None
+            if loss_fn is not None:
+                loss = loss_fn(output, target)
+                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                    raise TypeError("loss_fn must return a scalar tensor (the mean loss of the micro-batch)")
+                output = loss * weight
+        if loss_fn is None:
+            check_activation(output)
+        return output, loss, counter.bytes
+
+    if not checkpoint:
+        output, loss, saved = run()
+        return InFlight(inp, output, saved, loss, sent=None if loss_fn else output.detach())
+    rng = _rng_state(inp)
+    with torch.no_grad():
+        output, loss, _ = run()
+    kept = {_storage_key(inp)} if isinstance(inp, torch.Tensor) else set()
+    kept_bytes = inp.untyped_storage().nbytes() if isinstance(inp, torch.Tensor) else 0
+
+    def recompute() -> tuple[torch.Tensor, int]:
+        with torch.random.fork_rng(devices=rng[1]):
+            _set_rng_state(rng)
+            again, _, saved_again = run(exclude=kept)
+        return again, saved_again
+
+    return InFlight(inp, None, kept_bytes, loss, recompute, sent=None if loss_fn else output)
+
+
+def _rng_state(inp: Any) -> tuple:
+    devices = [inp.device.index] if isinstance(inp, torch.Tensor) and inp.is_cuda else []
+    cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
+    return torch.get_rng_state(), devices, cuda_states
+
+
+def _set_rng_state(state: tuple) -> None:
+    cpu_state, devices, cuda_states = state
+    torch.set_rng_state(cpu_state)
+    for device, cuda_state in zip(devices, cuda_states):
+        torch.cuda.set_rng_state(cuda_state, device)
 
 
 def check_activation(output: Any) -> None:
@@ -81,6 +123,8 @@ def check_activation(output: Any) -> None:
 
 def backward(kept: InFlight, grad_output: torch.Tensor | None) -> torch.Tensor | None:
     """Backpropagate through the stage (accumulating parameter grads); return the input's gradient."""
+    if kept.recompute is not None:
+        kept.output, kept.recomputed_bytes = kept.recompute()
     if grad_output is None:
         kept.output.backward()
     else:
