@@ -7,6 +7,7 @@ Per stage s (a number applies to every stage, a list gives one value per stage):
 - `activation_bytes[s]`: bytes stage s sends to stage s+1 per micro-batch (its output);
   the gradient sent back has the same size;
 - `memory_bytes[s]`: activation bytes stage s keeps per micro-batch from F to B;
+- `input_bytes[s]`: bytes of stage s's input per micro-batch, all a checkpointed stage keeps;
 - `latency` (seconds) and `bandwidth` (bytes/second) of every link.
 
 A message between stages s and s+1 takes  latency + activation_bytes[s] / bandwidth.
@@ -36,9 +37,10 @@ class Costs:
     bandwidth: float = math.inf
     activation_bytes: PerStage = 0.0
     memory_bytes: PerStage = 0.0
+    input_bytes: PerStage = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "weight", "activation_bytes", "memory_bytes"):
+        for name in ("forward", "backward", "weight", "activation_bytes", "memory_bytes", "input_bytes"):
             values = getattr(self, name)
             values = list(values) if isinstance(values, (list, tuple)) else [values]
             if not values or any(not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0
@@ -76,7 +78,7 @@ class Costs:
         n = len(parts.stages)
         forward = [[] for _ in range(n)]
         backward = [[] for _ in range(n)]
-        sent, kept = [0.0] * n, [0.0] * n
+        sent, kept, received = [0.0] * n, [0.0] * n, [0.0] * n
         for _ in range(repeats):
             activation, flights = inputs, []
             for s, stage in enumerate(parts.stages):
@@ -87,9 +89,11 @@ class Costs:
                                            _move(targets, device) if s == n - 1 else None)
                 forward[s].append(_now(device) - begin)
                 flights.append(flight)
+                if isinstance(flight.input, torch.Tensor):
+                    received[s] = flight.input.untyped_storage().nbytes()
                 kept[s] = flight.saved_bytes
                 if s < n - 1:
-                    activation = flight.output.detach()
+                    activation = flight.sent
                     sent[s] = activation.numel() * activation.element_size()
             gradient = None
             for s in range(n - 1, -1, -1):
@@ -100,7 +104,8 @@ class Costs:
         for p, g in zip(model.parameters(), saved_grads):
             p.grad = g
         return cls(forward=[statistics.median(t) for t in forward], backward=[statistics.median(t) for t in backward],
-                   latency=latency, bandwidth=bandwidth, activation_bytes=sent, memory_bytes=kept)
+                   latency=latency, bandwidth=bandwidth, activation_bytes=sent, memory_bytes=kept,
+                   input_bytes=received)
 
 
 def _now(device: torch.device) -> float:
@@ -110,4 +115,5 @@ def _now(device: torch.device) -> float:
 
 
 def _move(batch: Any, device: torch.device) -> Any:
-    return batch.to(device) if isinstance(batch, torch.Tensor) else batch
+    """A copy on `device`, owning its storage (so its bytes are counted as one micro-batch's)."""
+    return batch.to(device, copy=True) if isinstance(batch, torch.Tensor) else batch

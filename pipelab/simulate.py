@@ -3,9 +3,9 @@
 The same dependency loop as every other interpreter (`pipelab.timing`): each device runs
 its list in order; an action starts when its device is free and its inputs have arrived,
 a message across a stage boundary taking latency + bytes / bandwidth.  Deterministic,
-O(actions) plus one sort.  Activation memory per device rises by `memory_bytes[s]` when
-F(s, i) ends and falls again when stage s is done with micro-batch i (end of its B, or
-of its W when the backward is split), as the local engine measures it.
+O(actions) plus one sort.  Activation memory follows `pipelab.memory`: +memory_bytes[s]
+when F(s, i) ends, released when stage s is done with micro-batch i (end of its B, or of
+its W when the backward is split), as the local engine measures it.
 """
 
 from __future__ import annotations
@@ -14,19 +14,25 @@ from typing import Mapping
 
 from .actions import Action, Schedule
 from .costs import Costs
+from .memory import activation_samples, checkpoint_plan
 from .schedules import check_structure, explain_stuck
 from .timing import run_dependencies
-from .trace import Event, MemorySample, Trace
+from .trace import Event, Trace
 
 
-def simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None = None) -> Trace:
+def simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None = None,
+             checkpoint: str | list[bool] = "never") -> Trace:
     """Run `schedule` on the cost model `costs` (default: t_F = 1, t_B = 2, free links).
 
     `costs` may also map every action to its seconds — e.g. `trace.durations()` of a
     measured step — to replay that step exactly (free links, no memory model).
+    `checkpoint` (as in `Pipeline`): a checkpointed stage's B also runs its forward again
+    (t_B + t_F), it keeps only `input_bytes` between F and B, and during B it holds the
+    recomputed activations, memory_bytes - input_bytes, on top.
     """
     check_structure(schedule)
     p = schedule.n_stages
+    recompute = checkpoint_plan(checkpoint, p)
     if isinstance(costs, Mapping):
         missing = [a for a in schedule.all_actions() if a not in costs]
         if missing:
@@ -40,6 +46,7 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None = 
             raise TypeError(f"costs must be a pl.Costs or a dict of action durations, got {type(costs).__name__}")
         seconds = {kind: [costs.per_stage(name, s, p) for s in range(p)]
                    for kind, name in (("F", "forward"), ("B", "backward"), ("W", "weight"))}
+        seconds["B"] = [b + (f if again else 0.0) for b, f, again in zip(seconds["B"], seconds["F"], recompute)]
 
         def duration(action: Action) -> float:
             return seconds[action[0]][action[1]]
@@ -52,21 +59,9 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None = 
     device_of = schedule.device_of_stage()
     start, end = timing.start, timing.end
     events = [Event(a[1], a[0], a[2], start[a], end[a], device_of[a[1]]) for a in timing.order]  # (kind, stage, mb)
-    return Trace(events, _memory(events, schedule, costs), "simulated", p, schedule.n_microbatches,
-                 schedule.n_devices, schedule.name)
-
-
-def _memory(events: list[Event], schedule: Schedule, costs: Costs) -> list[MemorySample]:
-    frees = "W" if any(e.kind == "W" for e in events) else "B"
-    kept = [costs.per_stage("memory_bytes", s, schedule.n_stages) for s in range(schedule.n_stages)]
-    held = [0.0] * schedule.n_devices
-    samples = [MemorySample(d, 0.0, 0) for d in range(schedule.n_devices)]
-    for e in sorted(events, key=lambda e: e.end):
-        if e.kind == "F":
-            held[e.device] += kept[e.stage]
-        elif e.kind == frees:
-            held[e.device] -= kept[e.stage]
-        else:
-            continue
-        samples.append(MemorySample(e.device, e.end, round(held[e.device])))
-    return samples
+    full = [costs.per_stage("memory_bytes", s, p) for s in range(p)]
+    inputs = [costs.per_stage("input_bytes", s, p) for s in range(p)]
+    held = [inputs[s] if recompute[s] else full[s] for s in range(p)]
+    transient = [max(full[s] - inputs[s], 0.0) if recompute[s] else 0.0 for s in range(p)]
+    memory = activation_samples(events, lambda s, i: held[s], lambda s, i: transient[s], schedule.n_devices)
+    return Trace(events, memory, "simulated", p, schedule.n_microbatches, schedule.n_devices, schedule.name)

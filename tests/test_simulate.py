@@ -106,3 +106,31 @@ def test_speedup_is_p_m_over_m_plus_p_minus_1(p, m):
     trace = pl.simulate(pl.schedules.one_f_one_b(p, m), pl.Costs(1.0, 3.0))
     assert trace.speedup == pytest.approx(p * m / (m + p - 1))
     assert trace.speedup == pytest.approx(p * (1 - trace.bubble_fraction))
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["never", "always", "except_last"])
+def test_simulated_memory_matches_the_measured_bytes(kind, schedule, checkpoint):
+    """Fed from Costs.from_profile, the simulator predicts the engine's measured peak bytes per stage."""
+    if kind == "mlp":
+        model = pl.models.mlp(depth=8, width=32)
+    else:
+        model = pl.models.tiny_gpt(n_layers=2, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
+    loss_fn = pl.models.default_loss(model)
+    x, y = pl.models.sample_batch(model, 16)
+    pipe = pl.Pipeline(model, 4, 8, schedule, loss_fn, devices="cpu", checkpoint=checkpoint)
+    measured = pipe.step(x, y).trace
+    costs = pl.Costs.from_profile(model, pipe.partition, (x[:2], y[:2]), loss_fn, repeats=1)
+    predicted = pl.simulate(pipe.schedule, costs, checkpoint=checkpoint)
+    for stage in range(4):
+        assert predicted.peak_memory[stage] == pytest.approx(measured.peak_memory[stage], rel=0.10), stage
+
+
+def test_checkpointing_in_the_simulator_costs_one_forward_and_saves_memory():
+    costs = pl.Costs(forward=1.0, backward=2.0, memory_bytes=100.0, input_bytes=10.0)
+    plain = pl.simulate(pl.schedules.one_f_one_b(4, 8), costs)
+    ckpt = pl.simulate(pl.schedules.one_f_one_b(4, 8), costs, checkpoint="always")
+    assert ckpt.makespan == pytest.approx((8 + 4 - 1) * (1.0 + 2.0 + 1.0))  # B becomes t_B + t_F
+    assert plain.peak_memory[0] == 4 * 100
+    assert ckpt.peak_memory[0] == 4 * 10 + (100 - 10)  # inputs of 4 in flight + one recomputation

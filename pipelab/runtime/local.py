@@ -27,25 +27,13 @@ from torch import nn
 from .. import microbatch
 from ..actions import Action, Schedule
 from ..errors import PipelineError
+from ..memory import activation_samples, checkpoint_plan
 from ..partition import Partition, split
 from ..schedules import by_name, validate
 from ..timing import run_dependencies
 from ..trace import Event, MemorySample, Trace
 from . import stage as stage_ops
 from .devices import assign_devices
-
-
-def checkpoint_plan(checkpoint, n_stages: int) -> list[bool]:
-    """Resolve the `checkpoint` option to one boolean per stage."""
-    if isinstance(checkpoint, str):
-        plans = {"never": [False] * n_stages, "always": [True] * n_stages,
-                 "except_last": [True] * (n_stages - 1) + [False]}
-        if checkpoint not in plans:
-            raise ValueError(f"checkpoint must be one of {sorted(plans)} or a list of booleans, got {checkpoint!r}")
-        return plans[checkpoint]
-    if isinstance(checkpoint, (list, tuple)) and len(checkpoint) == n_stages and all(isinstance(c, bool) for c in checkpoint):
-        return list(checkpoint)
-    raise ValueError(f"checkpoint as a list needs one boolean per stage ({n_stages}), got {checkpoint!r}")
 
 
 @dataclass
@@ -203,32 +191,13 @@ class Pipeline:
             start, end, source = timing.start, timing.end, "replayed"
         device_of_stage = self.schedule.device_of_stage()
         events = [Event(a.stage, a.kind, a.microbatch, start[a], end[a], device_of_stage[a.stage]) for a in self.order]
-        memory = activation_samples(events, saved_bytes, recomputed_bytes, self.schedule.n_devices)
+        memory = activation_samples(events, lambda s, i: saved_bytes[(s, i)],
+                                    lambda s, i: recomputed_bytes.get((s, i), 0), self.schedule.n_devices)
         for event in events:
             if event.action in allocated:
                 memory.append(MemorySample(event.device, event.end, allocated[event.action], "allocated"))
         return Trace(events, memory, source, self.n_stages, self.n_microbatches, self.schedule.n_devices,
                      self.schedule.name, [str(d) for d in self.devices])
-
-
-def activation_samples(events: list[Event], held_bytes: dict, transient_bytes: dict, n_devices: int) -> list[MemorySample]:
-    """Activation bytes per device over time: +held at the end of F(s, i), +transient at the start of
-    B(s, i) (a checkpointed stage recomputing its forward), all of it released at the end of B(s, i)."""
-    changes = []  # (time, order at equal times: releases first, device, delta)
-    for e in events:
-        key = (e.stage, e.microbatch)
-        if e.kind == "F":
-            changes.append((e.end, 1, e.device, held_bytes[key]))
-        elif e.kind == "B":
-            if transient_bytes.get(key):
-                changes.append((e.start, 1, e.device, transient_bytes[key]))
-            changes.append((e.end, 0, e.device, -held_bytes[key] - transient_bytes.get(key, 0)))
-    held = [0] * n_devices
-    samples = [MemorySample(d, 0.0, 0) for d in range(n_devices)]
-    for time_, _, device, delta in sorted(changes):
-        held[device] += delta
-        samples.append(MemorySample(device, time_, held[device]))
-    return samples
 
 
 class _Clock:
