@@ -93,10 +93,23 @@ def _device_label(trace: Trace, device: int) -> str:
     return f"device {device}"
 
 
-def memory(trace: Trace, ax=None, title: str | None = None):
-    """Activation bytes held on each device over the step, one line per device, peaks marked."""
-    if not isinstance(trace, Trace):
-        raise TypeError(f"memory expects a pipelab Trace, got {type(trace).__name__}")
+def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | None = None,
+           budget_bytes: float | None = None, unit_bytes: float = 2**20, unit_name: str = "MiB"):
+    """Activation bytes held on each device over the step: one step line per device, peaks marked.
+
+    With `predicted`, draws two panels on one y scale: the prediction left, `trace` right.
+    `budget_bytes` draws a per-device memory budget as a dashed line and names the devices
+    whose peak exceeds it ("out of memory").  The y axis counts `unit_name`s of `unit_bytes`.
+    """
+    for t in (trace, predicted) if predicted is not None else (trace,):
+        if not isinstance(t, Trace):
+            raise TypeError(f"memory expects a pipelab Trace, got {type(t).__name__}")
+    if predicted is not None:
+        fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.6), sharey=True)
+        for side, t, label in ((left, predicted, "predicted"), (right, trace, "measured")):
+            memory(t, ax=side, title=f"{label} — {t.source_label}", budget_bytes=budget_bytes,
+                   unit_bytes=unit_bytes, unit_name=unit_name)
+        return fig
     if ax is None:
         fig, ax = plt.subplots(figsize=(10, 3.5))
     else:
@@ -109,14 +122,23 @@ def memory(trace: Trace, ax=None, title: str | None = None):
         if not times:
             continue
         xs = [(t - origin) * scale for t in times] + [trace.makespan * scale]
-        ys = [v / 2**20 for v in values] + [values[-1] / 2**20]
-        line, = ax.step(xs, ys, where="post", label=f"device {device} (peak {peaks[device] / 2**20:.2f} MiB)")
+        ys = [v / unit_bytes for v in values] + [values[-1] / unit_bytes]
+        line, = ax.step(xs, ys, where="post",
+                        label=f"device {device} (peak {peaks[device] / unit_bytes:.3g} {unit_name})")
         top = max(range(len(values)), key=values.__getitem__)
         ax.plot(xs[top], ys[top], "o", color=line.get_color())
+    over = []
+    if budget_bytes is not None:
+        ax.axhline(budget_bytes / unit_bytes, color="crimson", ls="--", lw=1.2,
+                   label=f"budget {budget_bytes / unit_bytes:.3g} {unit_name}")
+        over = [d for d in range(trace.n_devices) if peaks[d] > budget_bytes]
     ax.set_xlabel(unit)
-    ax.set_ylabel("activation memory (MiB)")
+    ax.set_ylabel(f"activation memory ({unit_name})")
     ax.legend(fontsize=8, loc="upper right")
-    ax.set_title(title or f"{trace.schedule_name}: activations kept for backward — {trace.source_label}", fontsize=10)
+    text = title or f"{trace.schedule_name}: activations kept for backward — {trace.source_label}"
+    if over:
+        text += f"\nout of memory on device(s) {over}"
+    ax.set_title(text, fontsize=10, color="crimson" if over else "black")
     fig.tight_layout()
     return fig
 

@@ -18,25 +18,50 @@ from .trace import Trace
 REAL_RUN_LIMITS = {"n_devices": 8, "n_microbatches": 16}
 
 
+# Memory in the explorer is counted in units of one micro-batch's activations on one stage;
+# a stage's input (all that checkpointing keeps) is a fraction of that.
+INPUT_SHARE = 0.125
+
+
 @dataclass
 class ExplorerView:
     trace: Trace
     formula_bubble: float  # (p-1)/(m+p-1): GPipe §2.3, Megatron-LM SC21 §2.2.1 (no communication)
+    memory_budget: float | None = None  # per device, in micro-batch activation units
+
+    @property
+    def out_of_memory(self) -> list[int]:
+        """Devices whose peak activation memory exceeds the budget."""
+        if not self.memory_budget:
+            return []
+        return [d for d, peak in enumerate(self.trace.peak_memory) if peak > self.memory_budget * UNIT]
 
     @property
     def summary(self) -> str:
         t = self.trace
-        return (f"{t.schedule_name}: p={t.n_stages}, m={t.n_microbatches} — simulated bubble "
+        text = (f"{t.schedule_name}: p={t.n_stages}, m={t.n_microbatches} — simulated bubble "
                 f"{t.bubble_fraction:.1%}, formula (p-1)/(m+p-1) = {self.formula_bubble:.1%}; "
-                f"peak in-flight micro-batches on stage 0: {t.peak_inflight[0]}")
+                f"peak activations on device 0: {t.peak_memory[0] / UNIT:.3g} micro-batches")
+        if self.out_of_memory:
+            text += f" — OUT OF MEMORY on device(s) {self.out_of_memory}"
+        return text
+
+
+UNIT = 1000  # bytes standing for one micro-batch's activations on one stage
 
 
 def explorer_view(n_devices: int, n_microbatches: int, schedule: str = "1f1b", backward_ratio: float = 2.0,
-                  latency: float = 0.0) -> ExplorerView:
-    """Simulate one step with t_F = 1, t_B = `backward_ratio`, `latency` per message (in units of t_F)."""
+                  latency: float = 0.0, checkpoint: str = "never", memory_budget: float | None = None) -> ExplorerView:
+    """Simulate one step with t_F = 1, t_B = `backward_ratio`, `latency` per message (in units of t_F).
+
+    Memory: each micro-batch holds one unit of activations per stage (UNIT bytes), a stage
+    input INPUT_SHARE of that; `memory_budget` (units per device, None or 0 = no budget)
+    flags the devices that would run out of memory.
+    """
     trace = simulate(by_name(schedule, n_devices, n_microbatches),
-                     Costs(forward=1.0, backward=backward_ratio, latency=latency))
-    return ExplorerView(trace, (n_devices - 1) / (n_microbatches + n_devices - 1))
+                     Costs(forward=1.0, backward=backward_ratio, latency=latency, memory_bytes=UNIT,
+                           input_bytes=INPUT_SHARE * UNIT), checkpoint=checkpoint)
+    return ExplorerView(trace, (n_devices - 1) / (n_microbatches + n_devices - 1), memory_budget)
 
 
 def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", width: int = 256,
@@ -65,8 +90,10 @@ def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", wi
 def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"):
     """The interactive dashboard (JupyterLab): sliders, the timeline, the bubble against the formula.
 
-    Returns an `ipywidgets.VBox`; `box.controls` holds the controls, `box.view` the latest
-    `ExplorerView` and `box.real` the latest (predicted, measured) pair of a real run.
+    Returns an `ipywidgets.VBox`; `box.controls` holds the controls (devices, micro-batches,
+    schedule, t_B/t_F, latency, checkpoint, memory budget in micro-batch units, 0 = none),
+    `box.view` the latest `ExplorerView` and `box.real` the latest (predicted, measured)
+    pair of a real run.
     """
     import ipywidgets as w
     import matplotlib.pyplot as plt
@@ -79,11 +106,15 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
         "schedule": w.Dropdown(options=sorted(GENERATORS), value=schedule, description="schedule"),
         "backward_ratio": w.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="t_B / t_F"),
         "latency": w.FloatSlider(value=0.0, min=0.0, max=2.0, step=0.1, description="latency / t_F"),
+        "checkpoint": w.Dropdown(options=["never", "always", "except_last"], value="never", description="checkpoint"),
+        "memory_budget": w.FloatSlider(value=0.0, min=0.0, max=64.0, step=0.5, description="budget (mb)"),
     }
     button = w.Button(description="run it for real (CPU)", icon="play")
-    summary, figure, real_output = w.HTML(), w.Output(), w.Output()
+    summary, figure, memory_figure, real_output = w.HTML(), w.Output(), w.Output(), w.Output()
     box = w.VBox([w.HBox([controls["n_devices"], controls["n_microbatches"], controls["schedule"]]),
-                  w.HBox([controls["backward_ratio"], controls["latency"], button]), summary, figure, real_output])
+                  w.HBox([controls["backward_ratio"], controls["latency"], button]),
+                  w.HBox([controls["checkpoint"], controls["memory_budget"]]),
+                  summary, figure, memory_figure, real_output])
     box.controls, box.real = controls, None
 
     def redraw(_=None):
@@ -92,6 +123,13 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
         figure.clear_output(wait=True)
         with figure:
             fig = plot.timeline(box.view.trace)
+            plt.show()
+            plt.close(fig)
+        memory_figure.clear_output(wait=True)
+        with memory_figure:
+            budget = box.view.memory_budget
+            fig = plot.memory(box.view.trace, budget_bytes=budget * UNIT if budget else None,
+                              unit_bytes=UNIT, unit_name="micro-batches")
             plt.show()
             plt.close(fig)
 

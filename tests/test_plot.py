@@ -86,3 +86,13 @@ def test_bubble_plot_draws_formula_lines_and_simulated_points():
     for line, dots in zip(formula, points):  # the simulated dots sit on the formula
         for m, bubble in zip(dots.get_xdata(), dots.get_ydata()):
             assert bubble == pytest.approx(line.get_ydata()[int(m) - 1])
+
+
+def test_memory_plot_side_by_side_and_budget():
+    measured, predicted = two_device_trace(), two_device_trace("simulated")
+    fig = pl.plot.memory(measured, predicted=predicted, budget_bytes=60)
+    left, right = fig.axes
+    assert left.get_title().startswith("predicted") and right.get_title().startswith("measured")
+    assert "out of memory on device(s) [0]" in right.get_title()  # device 0 peaks at 100 bytes > 60
+    assert any(line.get_linestyle() == "--" for line in right.get_lines())
+    assert "out of memory" not in pl.plot.memory(measured, budget_bytes=1000).axes[0].get_title()

@@ -43,3 +43,20 @@ def test_button_runs_for_real():
     button = box.children[1].children[-1]
     button.click()
     assert box.real is not None and box.real[1].n_microbatches == 2
+
+
+def test_memory_panel_checkpointing_and_budget():
+    gpipe = explorer_view(4, 16, "gpipe")
+    ofob = explorer_view(4, 16, "1f1b")
+    assert gpipe.trace.peak_memory[0] == 16 * pl.widgets.UNIT  # GPipe keeps all m micro-batches
+    assert ofob.trace.peak_memory[0] == 4 * pl.widgets.UNIT  # 1F1B at most p
+    ckpt = explorer_view(4, 16, "1f1b", checkpoint="always")
+    share = pl.widgets.INPUT_SHARE
+    assert ckpt.trace.peak_memory[0] == pytest.approx((4 * share + (1 - share)) * pl.widgets.UNIT)
+    assert explorer_view(4, 16, "gpipe", memory_budget=8).out_of_memory == [0, 1, 2, 3]
+    assert explorer_view(4, 16, "1f1b", memory_budget=3).out_of_memory == [0]  # stage 0 holds 4 > 3
+    box = explorer(n_devices=4, n_microbatches=16, schedule="gpipe")
+    box.controls["memory_budget"].value = 8
+    assert "OUT OF MEMORY" in box.view.summary
+    box.controls["schedule"].value = "1f1b"
+    assert box.view.out_of_memory == []
