@@ -100,9 +100,33 @@ def check_structure(schedule: Schedule) -> None:
     _check_counts(schedule.n_stages, schedule.n_microbatches)
     if schedule.n_devices < 1:
         raise ScheduleError("the schedule has no devices: actions must be a list with one list per device")
-    _check_entries(schedule)
-    _check_stage_placement(schedule)
-    _check_complete(schedule)
+    if not _looks_valid(schedule):  # fast path for the common case; the checks below name the problem
+        _check_entries(schedule)
+        _check_stage_placement(schedule)
+        _check_complete(schedule)
+
+
+def _looks_valid(schedule: Schedule) -> bool:
+    """True when the structure is certainly right, checked with set operations (no messages)."""
+    rows = schedule.actions
+    if not all(isinstance(row, (list, tuple)) for row in rows):
+        return False
+    flat = [a for row in rows for a in row]
+    if not flat or not all(type(a) is Action for a in flat):
+        return False
+    kinds, stages, microbatches = zip(*flat)
+    kind_set = set(kinds)
+    if not kind_set <= set(KINDS) or not kind_set >= {"F", "B"}:
+        return False
+    if min(stages) < 0 or max(stages) >= schedule.n_stages or min(microbatches) < 0:
+        return False
+    if max(microbatches) >= schedule.n_microbatches or len(set(flat)) != len(flat):
+        return False
+    stage_sets = [{a[1] for a in row} for row in rows]
+    if sum(len(stages) for stages in stage_sets) != len(set().union(*stage_sets)):
+        return False  # a stage on two devices
+    # no duplicates and everything in range: complete exactly when the count is right
+    return len(flat) == schedule.n_stages * schedule.n_microbatches * len(kind_set)
 
 
 def _check_entries(schedule: Schedule) -> None:
