@@ -17,7 +17,7 @@ from .costs import Costs
 from .memory import activation_samples, checkpoint_plan
 from .schedules import check_structure, explain_stuck
 from .timing import run_dependencies
-from .trace import Event, Trace
+from .trace import Event, MemorySample, Trace
 
 
 def simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None = None,
@@ -63,5 +63,8 @@ def simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None = 
     inputs = [costs.per_stage("input_bytes", s, p) for s in range(p)]
     held = [inputs[s] if recompute[s] else full[s] for s in range(p)]
     transient = [max(full[s] - inputs[s], 0.0) if recompute[s] else 0.0 for s in range(p)]
-    memory = activation_samples(events, lambda s, i: held[s], lambda s, i: transient[s], schedule.n_devices)
+    if any(held) or any(transient):
+        memory = activation_samples(events, lambda s, i: held[s], lambda s, i: transient[s], schedule.n_devices)
+    else:  # no memory model: every device holds nothing all along
+        memory = [MemorySample(d, 0.0, 0) for d in range(schedule.n_devices)]
     return Trace(events, memory, "simulated", p, schedule.n_microbatches, schedule.n_devices, schedule.name)
