@@ -75,6 +75,8 @@ class Costs:
         """
         inputs, targets = sample_batch
         saved_grads = [p.grad for p in model.parameters()]
+        for p in model.parameters():  # profile into fresh .grad tensors, then put the caller's back
+            p.grad = None
         n = len(parts.stages)
         forward = [[] for _ in range(n)]
         backward = [[] for _ in range(n)]

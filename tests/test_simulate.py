@@ -134,3 +134,13 @@ def test_checkpointing_in_the_simulator_costs_one_forward_and_saves_memory():
     assert ckpt.makespan == pytest.approx((8 + 4 - 1) * (1.0 + 2.0 + 1.0))  # B becomes t_B + t_F
     assert plain.peak_memory[0] == 4 * 100
     assert ckpt.peak_memory[0] == 4 * 10 + (100 - 10)  # inputs of 4 in flight + one recomputation
+
+
+def test_from_profile_leaves_existing_gradients_alone():
+    model = pl.models.mlp(depth=4, width=16)
+    x, y = pl.models.sample_batch(model, 8)
+    torch.nn.MSELoss()(model(x), y).backward()
+    before = [p.grad.clone() for p in model.parameters()]
+    pl.Costs.from_profile(model, pl.split(model, 2), (x[:4], y[:4]), torch.nn.MSELoss(), repeats=2)
+    for p, g in zip(model.parameters(), before):
+        assert torch.equal(p.grad, g)

@@ -1,0 +1,110 @@
+"""Task 1.2: split a batch into micro-batches and merge them back (lesson 02)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def split(batch: Any, n: int) -> list:
+    """Split ``batch`` into ``n`` micro-batches along dimension 0.
+
+    ``batch`` is a tensor or any nesting of tuples, lists and dicts whose leaves are
+    tensors or other values.  Every tensor leaf is cut along dim 0; every other leaf (an
+    int, a string, None, ...) is passed unchanged, the same object, to every micro-batch.
+    Each micro-batch has the structure of ``batch``.
+
+    With B the batch size (dim 0 of every tensor leaf), micro-batch k gets
+
+        B // n + 1  rows if k < B % n,  else  B // n  rows
+
+    so sizes differ by at most one and the larger micro-batches come first, as with
+    ``torch.tensor_split``.  (``torch.chunk`` is different: it may return fewer than n.)
+
+    >>> [chunk.tolist() for chunk in split(torch.arange(10), 4)]
+    [[0, 1, 2], [3, 4, 5], [6, 7], [8, 9]]
+    >>> split({"x": torch.tensor([[1], [2]]), "mode": "train"}, 2)
+    [{'x': tensor([[1]]), 'mode': 'train'}, {'x': tensor([[2]]), 'mode': 'train'}]
+
+    Raises:
+        ValueError: if ``n < 1``; if ``n > B`` (a micro-batch would be empty); if the
+            batch holds no tensor; if tensor leaves disagree on the batch size (a 0-d
+            tensor has none).
+    """
+    batch_size = _batch_size(batch)
+    if n < 1:
+        raise ValueError(f"n (the number of micro-batches) must be at least 1, got {n}")
+    if n > batch_size:
+        raise ValueError(
+            f"cannot split a batch of {batch_size} into {n} non-empty micro-batches; "
+            f"use at most {batch_size}"
+        )
+    return [_take_chunk(batch, n, k) for k in range(n)]
+
+
+def merge(chunks: list) -> Any:
+    """Join micro-batches back into one batch: the inverse of :func:`split`.
+
+    ``chunks`` are structures of the same shape (as returned by ``split``, or the
+    outputs of a stage for each micro-batch).  Tensor leaves are joined with
+    ``torch.cat(..., dim=0)``; every other leaf is taken from the first chunk, so
+    ``merge(split(batch, n))`` equals ``batch``.
+
+    >>> merge([torch.tensor([0, 1, 2]), torch.tensor([3, 4])])
+    tensor([0, 1, 2, 3, 4])
+
+    Raises:
+        ValueError: if ``chunks`` is empty.
+    """
+    if len(chunks) == 0:
+        raise ValueError("merge needs at least one micro-batch, got an empty list")
+    first = chunks[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(list(chunks), dim=0)
+    if isinstance(first, dict):
+        return {key: merge([chunk[key] for chunk in chunks]) for key in first}
+    if isinstance(first, (tuple, list)):
+        merged = [merge([chunk[i] for chunk in chunks]) for i in range(len(first))]
+        return type(first)(merged)
+    return first
+
+
+def _take_chunk(batch: Any, n: int, k: int) -> Any:
+    """Micro-batch k of n: the same structure, tensor leaves cut to their k-th part."""
+    if isinstance(batch, torch.Tensor):
+        return torch.tensor_split(batch, n, dim=0)[k]
+    if isinstance(batch, dict):
+        return {key: _take_chunk(value, n, k) for key, value in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_take_chunk(value, n, k) for value in batch)
+    return batch
+
+
+def _batch_size(batch: Any) -> int:
+    """The common dim-0 size of all tensor leaves, with an error that names the culprit."""
+    sizes = {}  # path of a tensor leaf -> its dim-0 size
+    _collect_sizes(batch, "batch", sizes)
+    if not sizes:
+        raise ValueError("the batch holds no tensor, so there is nothing to split")
+    first_path, first_size = next(iter(sizes.items()))
+    for path, size in sizes.items():
+        if size != first_size:
+            raise ValueError(
+                f"tensor leaves disagree on the batch size (dim 0): "
+                f"{first_path} has {first_size}, {path} has {size}"
+            )
+    return first_size
+
+
+def _collect_sizes(batch: Any, path: str, sizes: dict) -> None:
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise ValueError(f"{path} is a 0-d tensor: it has no batch dimension to split")
+        sizes[path] = batch.shape[0]
+    elif isinstance(batch, dict):
+        for key, value in batch.items():
+            _collect_sizes(value, f"{path}[{key!r}]", sizes)
+    elif isinstance(batch, (tuple, list)):
+        for index, value in enumerate(batch):
+            _collect_sizes(value, f"{path}[{index}]", sizes)

@@ -1,0 +1,324 @@
+"""The graders are graded: tests of tests/tasks, exercises/, solutions/ and pipelab grade.
+
+The plain ``python -m pytest`` does not collect tests/tasks (see tests/conftest.py).
+These tests run it in subprocesses, through ``pipelab.grade.run_task_tests``, and check:
+
+- on solutions/, every graded test passes;
+- on the stubs of exercises/, every graded test fails with the NotImplementedError of
+  its own task (a test that passes on a stub, or fails for another reason, is named);
+- every mutant in tests/mutants/<task>/<name>/ (a plausible wrong answer) fails at least
+  one test of its task, for a reason other than an import error; at least two per task
+  (a mutant named *_hangs is an infinite loop, stopped by a 2 s timeout);
+- exercises/ and solutions/ have the same functions, signatures and docstrings, and the
+  solutions' docstring examples hold;
+- ``pipelab grade`` says ✅ on solutions; stops a test that hangs even where the
+  timeout's signal is swallowed (by hypothesis), and still grades the other tasks.
+
+Each task's tests run in one pytest subprocess against solutions, exercises and the
+task's mutants at once (``--impl a,b,c`` parametrizes them), so torch is imported once
+per task.  The subprocesses start together (as many at once as there are CPUs, at most
+4) when the first test needs one.
+
+Once you work on exercises/ yourself, the stub checks are skipped (your work is graded
+by ``pipelab grade``); with the environment variable CI set they always apply.
+"""
+
+from __future__ import annotations
+
+import ast
+import doctest
+import importlib
+import importlib.util
+import inspect
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from pipelab import grade
+
+ROOT = Path(__file__).resolve().parents[1]
+MUTANTS_DIR = ROOT / "tests" / "mutants"
+MUTANTS = sorted(path for path in MUTANTS_DIR.glob("task*/*") if path.is_dir() and path.name != "__pycache__")
+MODULES = sorted(path.stem for path in (ROOT / "exercises").glob("*.py") if path.stem != "__init__")
+TASKS = grade.tasks_with_tests()
+META = ("--hypothesis-profile=pipelab-meta",)  # registered in tests/conftest.py
+LOAD_ERRORS = {"ImportError", "ModuleNotFoundError", "SyntaxError", "FileNotFoundError", "NotImplementedError"}
+
+
+def mutant_name(path: Path) -> str:
+    return f"{path.parent.name}/{path.name}"
+
+
+def task_of(mutant: Path) -> str:
+    return grade.task_id(mutant.parent.name)
+
+
+def hangs(mutant: Path) -> bool:
+    """A mutant named *_hangs never returns: it runs alone, stopped by a 2 s timeout."""
+    return mutant.name.endswith("_hangs")
+
+
+def run_name(mutant: Path) -> str:
+    """The run that holds a mutant: its task's run, or its own when it hangs."""
+    return mutant_name(mutant) if hangs(mutant) else task_of(mutant)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def runs(request):
+    """Future[TestRun] per task (solutions, exercises and the task's mutants in one pytest
+    process) and per hanging mutant (alone, stopped at its first failure).  Autouse, so
+    they start before this module's first test; but only the runs that the selected tests
+    ask for (by a ``runs`` argument) are started."""
+    jobs = {}
+    for task in TASKS:
+        mutants = [str(path) for path in MUTANTS if task_of(path) == task and not hangs(path)]
+        jobs[task] = dict(impl=["solutions", "exercises", *mutants], tasks=[task], pytest_args=META)
+    for path in filter(hangs, MUTANTS):
+        jobs[mutant_name(path)] = dict(
+            impl=str(path), tasks=[task_of(path)], timeout_s=2.0, pytest_args=(*META, "-x")
+        )
+    needed = set()
+    for item in request.session.items:
+        if item.path != Path(__file__).resolve() or "runs" not in inspect.signature(item.obj).parameters:
+            continue
+        callspec = getattr(item, "callspec", None)
+        mutant = callspec.params.get("mutant") if callspec else None
+        needed |= {run_name(mutant)} if mutant else set(TASKS)
+    pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 2))
+    yield {name: pool.submit(grade.run_task_tests, **job) for name, job in jobs.items() if name in needed}
+    pool.shutdown(cancel_futures=True)
+
+
+def outcomes_of(runs, impl: str | Path) -> list[grade.TestOutcome]:
+    """The outcomes of one implementation, over the runs that hold it."""
+    names = [run_name(impl)] if isinstance(impl, Path) else TASKS
+    outcomes = []
+    for name in names:
+        run = runs[name].result()
+        assert run.outcomes and not run.errors, "\n".join(run.errors) or run.output[-3000:]
+        outcomes += [o for o in run.outcomes if o.impl == str(impl)]
+    return outcomes
+
+
+# ---- first, as it overlaps with the runs above: pipelab grade from end to end -------------
+
+
+HANGS_ON_SOME_SIZES = """
+from solutions.partition import balanced_bounds as right_answer
+
+
+def balanced_bounds(costs, n_stages):
+    while len(costs) in (6, 7, 9):  # sizes that only the property test tries
+        pass
+    return right_answer(costs, n_stages)
+"""
+
+
+def test_grade_stops_a_hanging_test_and_grades_the_other_tasks(tmp_path, capsys):
+    """The loop is reached inside a hypothesis test: hypothesis catches pytest-timeout's
+    signal and retries the example, so the watchdog in pipelab.grade must kill the run and
+    run the other tasks again."""
+    (tmp_path / "partition.py").write_text(HANGS_ON_SOME_SIZES, encoding="utf-8")
+    shutil.copy(ROOT / "exercises" / "microbatch.py", tmp_path)
+    code = grade.main(["1.1", "1.2", "--impl", str(tmp_path), "--timeout", "2", "--", *META])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert "still running after 5 s and stopped (probably an infinite loop)" in out, out
+    assert "7 of 8 tests pass" in out, out
+    assert any("Task 1.2" in line and "not started" in line for line in out.splitlines()), out
+    assert "0 of 2 tasks pass." in out
+
+
+# ---- solutions, stubs, mutants ---------------------------------------------------
+
+
+def test_every_task_test_passes_on_the_solutions(runs):
+    outcomes = outcomes_of(runs, "solutions")
+    failing = [f"{o.nodeid}: {o.status}\n{o.message}" for o in outcomes if o.status != "passed"]
+    assert not failing, "graded tests that fail on solutions/:\n" + "\n".join(failing)
+    assert {o.task for o in outcomes} == set(TASKS), "each test file's tests need its task marker"
+
+
+def test_every_task_test_fails_on_the_stubs_with_not_implemented_error(runs):
+    skip_if_exercises_were_edited()
+    outcomes = outcomes_of(runs, "exercises")
+    wrong = [
+        f"{o.nodeid}: {o.status} {o.error_type}: {o.message}"
+        for o in outcomes
+        if o.status != "not_implemented" or f"Task {o.task}" not in o.message
+    ]
+    assert not wrong, (
+        "each graded test must fail on the stubs, with the NotImplementedError of its own "
+        "task (so it cannot pass, or fail, before the learner writes code):\n" + "\n".join(wrong)
+    )
+    assert len(outcomes) == len(outcomes_of(runs, "solutions"))
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=mutant_name)
+def test_mutant_is_killed(runs, mutant):
+    killers = [o for o in outcomes_of(runs, mutant) if o.status in ("failed", "timed_out")]
+    docstring = ast.get_docstring(ast.parse(next(mutant.glob("*.py")).read_text())) or ""
+    assert killers, (
+        f"mutant {mutant_name(mutant)} survived: every test of its task passes on it. "
+        f"Add a test that catches it:\n{docstring}"
+    )
+    first = killers[0]
+    assert first.error_type not in LOAD_ERRORS, (
+        f"mutant {mutant_name(mutant)} was killed by {first.error_type} in {first.nodeid}, "
+        f"which says the mutant did not load, not that the tests caught it:\n{first.message}"
+    )
+    expected = "timed_out" if hangs(mutant) else "failed"  # timed out: pytest-timeout's signal
+    assert first.status == expected, (
+        f"mutant {mutant_name(mutant)}: {first.nodeid} {first.status}, expected {expected}"
+    )
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_each_task_file_marks_all_its_tests(task):
+    """The runs above select tests with -m taskX_Y: an unmarked test would never be checked."""
+    path = ROOT / "tests" / "tasks" / f"test_{grade.marker(task)}.py"
+    marks = [
+        ast.unparse(node.value) for node in ast.parse(path.read_text(encoding="utf-8")).body
+        if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "pytestmark"
+    ]
+    assert marks == [f"pytest.mark.{grade.marker(task)}"], (
+        f"{path.name} must start with pytestmark = pytest.mark.{grade.marker(task)}"
+    )
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_each_task_has_at_least_two_mutants(task):
+    names = [mutant_name(path) for path in MUTANTS if path.parent.name == grade.marker(task)]
+    assert len(names) >= 2, f"task {task} has {names}; add plausible wrong answers in tests/mutants"
+
+
+# ---- exercises and solutions stay in step ---------------------------------------------
+
+
+def public_functions(module) -> dict:
+    return {
+        name: value for name, value in vars(module).items()
+        if inspect.isfunction(value) and not name.startswith("_")
+    }
+
+
+def test_exercises_and_solutions_have_the_same_modules():
+    solution_modules = sorted(p.stem for p in (ROOT / "solutions").glob("*.py") if p.stem != "__init__")
+    assert MODULES == solution_modules
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_same_signatures_and_docstrings(module_name):
+    exercise = importlib.import_module(f"exercises.{module_name}")
+    solution = importlib.import_module(f"solutions.{module_name}")
+    exercise_functions, solution_functions = public_functions(exercise), public_functions(solution)
+    assert exercise_functions.keys() == solution_functions.keys(), (
+        f"{module_name}: public functions differ (helpers of a solution start with _)"
+    )
+    for name, exercise_function in exercise_functions.items():
+        solution_function = solution_functions[name]
+        assert inspect.signature(exercise_function) == inspect.signature(solution_function), name
+        assert inspect.getdoc(exercise_function) == inspect.getdoc(solution_function), (
+            f"{module_name}.{name}: the docstrings of exercises/ and solutions/ differ"
+        )
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=mutant_name)
+def test_mutants_keep_the_signatures(mutant):
+    (path,) = mutant.glob("*.py")
+    spec = importlib.util.spec_from_file_location(f"_mutant_{mutant.name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    solution = importlib.import_module(f"solutions.{path.stem}")
+    for name, function in public_functions(solution).items():
+        assert name in vars(module), f"mutant {mutant_name(mutant)} lacks {name}"
+        assert inspect.signature(vars(module)[name]) == inspect.signature(function), name
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_solution_docstring_examples_hold(module_name):
+    solution = importlib.import_module(f"solutions.{module_name}")
+    result = doctest.testmod(solution, optionflags=doctest.NORMALIZE_WHITESPACE)
+    assert result.failed == 0
+
+
+def stub_problems(module_name: str) -> list[str]:
+    """Why exercises/<module_name>.py is not the pristine stub: '# TODO: Implement for
+    Task X.Y.' then 'raise NotImplementedError("Task X.Y")' after each docstring, with
+    X.Y the task named at the start of the module docstring."""
+    source = (ROOT / "exercises" / f"{module_name}.py").read_text(encoding="utf-8")
+    tree = ast.parse(source)
+    task = (ast.get_docstring(tree) or "").removeprefix("Task ").split(":")[0]
+    stub = f'# TODO: Implement for Task {task}.\n    raise NotImplementedError("Task {task}")'
+    problems = []
+    for node in tree.body:
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        body_is_docstring_and_raise = len(node.body) == 2
+        if not (body_is_docstring_and_raise and ast.get_source_segment(source, node).endswith(stub)):
+            problems.append(f"exercises/{module_name}.py: {node.name} is not a stub of Task {task}")
+    return problems
+
+
+def skip_if_exercises_were_edited() -> None:
+    problems = [problem for name in MODULES for problem in stub_problems(name)]
+    if problems and not os.environ.get("CI"):
+        pytest.skip("exercises/ holds your work (" + "; ".join(problems) + "): it is graded "
+                    "by `pipelab grade`; the stub checks run on the course's own stubs")
+
+
+@pytest.mark.parametrize("module_name", MODULES)
+def test_exercises_are_stubs(module_name):
+    skip_if_exercises_were_edited()
+    assert not stub_problems(module_name)
+
+
+# ---- collection and pipelab grade ---------------------------------------------------
+
+
+def test_the_plain_run_does_not_collect_the_graded_tests(request):
+    config = request.config
+    asked = (
+        config.getoption("impl") is not None
+        or "task" in config.getoption("markexpr") + config.getoption("keyword")
+        or any("tasks" in arg for arg in config.args)
+    )
+    tasks_dir = ROOT / "tests" / "tasks"
+    collected = [item.nodeid for item in request.session.items if tasks_dir in item.path.parents]
+    assert asked or not collected, "tests/tasks must only be collected when asked for"
+
+
+@pytest.mark.parametrize(("text", "task"), [("1.1", "1.1"), ("task1_2", "1.2"), ("Task 1.3", "1.3"), ("x", None)])
+def test_task_names(text, task):
+    assert grade.task_id(text) == task
+
+
+def test_grade_rejects_an_unknown_task(capsys):
+    assert grade.main(["9.9"]) == 2
+    assert "tasks with tests: " + ", ".join(TASKS) in capsys.readouterr().err
+
+
+def test_grade_without_the_course_says_so(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(grade, "TASKS_DIR", tmp_path / "tests" / "tasks")
+    assert grade.main([]) == 2
+    assert "in a clone of the course" in capsys.readouterr().err
+
+
+def test_grade_passes_the_solutions(runs, monkeypatch, capsys):
+    """main's report and exit code on the solutions' outcomes from ``runs`` (main's own
+    subprocess is covered by test_grade_stops_a_hanging_test_and_grades_the_other_tasks)."""
+    calls = []
+
+    def solutions_run(impl, tasks, **options):
+        calls.append((impl, tasks))
+        return grade.TestRun(outcomes=outcomes_of(runs, "solutions"))
+
+    monkeypatch.setattr(grade, "run_task_tests", solutions_run)
+    assert grade.main(["--impl", "solutions"]) == 0
+    assert calls == [("solutions", TASKS)]
+    out = capsys.readouterr().out
+    assert f"{len(TASKS)} of {len(TASKS)} tasks pass." in out
+    assert all(f"Task {task}" in out for task in TASKS)
