@@ -55,22 +55,22 @@ def build_parser() -> argparse.ArgumentParser:
     lab = commands.add_parser("lab", help="open the course (lessons/) in JupyterLab")
     lab.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab (e.g. --no-browser)")
 
-    grade = commands.add_parser("grade", help="grade your exercises, task by task")
-    grade.add_argument("grade_args", nargs=argparse.REMAINDER, help="a task like 1.1 (default: all)")
+    commands.add_parser("grade", help="grade your exercises, task by task (pipelab grade --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["grade"]:  # everything after "grade" (options included) belongs to the grader
+        from .grade import main as grade_main
+
+        return grade_main(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return run(args)
     if args.command == "simulate":
         return simulate(args)
-    if args.command == "lab":
-        return lab(args.jupyter_args)
-    from .grade import main as grade_main
-
-    return grade_main(args.grade_args)
+    return lab(args.jupyter_args)
 
 
 def run(args: argparse.Namespace) -> int:

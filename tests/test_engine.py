@@ -184,3 +184,20 @@ def test_checkpoint_option_is_checked():
         pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(), checkpoint="sometimes")
     with pytest.raises(ValueError, match="one boolean per stage"):
         pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(), checkpoint=[True])
+
+
+@pytest.mark.parametrize("kind", ["mlp", "gpt"])
+@pytest.mark.parametrize("n_microbatches", [4, 8, 16])
+def test_stage0_peak_gpipe_over_1f1b_is_m_over_p(kind, n_microbatches):
+    """GPipe keeps m micro-batches on stage 0, 1F1B keeps p: the measured bytes divide to m / p."""
+    if kind == "mlp":
+        model = pl.models.mlp(depth=8, width=32, seed=0)
+    else:
+        model = pl.models.tiny_gpt(n_layers=2, d_model=16, n_heads=2, vocab_size=32, seq_len=8, seed=0)
+    loss_fn = pl.models.default_loss(model)
+    x, y = pl.models.sample_batch(model, 2 * n_microbatches)
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        model.zero_grad(set_to_none=True)
+        peaks[schedule] = pl.Pipeline(model, 4, n_microbatches, schedule, loss_fn, devices="cpu").step(x, y).trace.peak_memory[0]
+    assert peaks["gpipe"] / peaks["1f1b"] == pytest.approx(n_microbatches / 4, rel=0.10)
