@@ -7,7 +7,7 @@
 2. Explorer update: simulate + draw the timeline at p=16, m=64; target <= 150 ms median.
 3. Prediction: the MLP at p=4, m=8 on the CPU, makespan predicted from profiled costs
    (`Costs.from_profile` on one micro-batch) vs the measured (replayed) makespan; target
-   within 10 %.  Medians over several steps; all figures from this one run.
+   within 10 %.  Medians over several steps, one torch thread; all figures from this one run.
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def explorer_update(repeats: int = 10) -> float:
 
 
 def prediction(steps: int = 7) -> float:
+    torch.set_num_threads(1)  # one core per run: two spinning threads on a shared 2-core machine wreck timings
     model = pl.models.mlp(depth=8, width=512, seed=0)
     x, y = pl.models.sample_batch(model, 8 * 32)
     loss_fn = torch.nn.MSELoss()

@@ -14,6 +14,7 @@ if "ipykernel" not in sys.modules:  # scripts and tests draw to files; notebooks
     matplotlib.use("Agg")
 
 import matplotlib.pyplot as plt
+from matplotlib.collections import PolyCollection
 from matplotlib.patches import Patch
 
 from .trace import Trace
@@ -37,8 +38,13 @@ def timeline(trace: Trace, ax=None, title: str | None = None, label_microbatches
     """
     if not isinstance(trace, Trace):
         raise TypeError(f"timeline expects a pipelab Trace, got {type(trace).__name__}")
-    if ax is None:
-        fig, ax = plt.subplots(figsize=(10, 0.55 * trace.n_devices + 1.6))
+    own_figure = ax is None
+    if own_figure:
+        height = 0.55 * trace.n_devices + 1.6
+        fig, ax = plt.subplots(figsize=(10, height))
+        # a fixed layout (title, x label and legend in inches) instead of tight_layout: 2x faster to draw
+        left = 0.16 if any(name != "cpu" for name in trace.device_names) else 0.09
+        fig.subplots_adjust(left=left, right=0.98, top=1 - 0.55 / height, bottom=0.95 / height)
     else:
         fig = ax.figure
     scale, unit = _time_unit(trace.makespan, trace.source)
@@ -52,38 +58,46 @@ def timeline(trace: Trace, ax=None, title: str | None = None, label_microbatches
                  f"{trace.source_label}\nbubble {trace.bubble_fraction:.1%} of {trace.n_devices} devices x "
                  f"{span:.3g} {unit.split('(')[1].rstrip(')')}")
     ax.set_title(title, fontsize=10)
-    fig.tight_layout()
+    if not own_figure:
+        fig.tight_layout()
     return fig
 
 
 def _draw(ax, trace: Trace, scale: float, label_microbatches: bool = True) -> None:
-    """One row per device: hatched idle background, then the actions, one bar collection per (device, kind)."""
+    """One row per device: a hatched idle background, then every action as one rectangle.
+
+    All actions go into a single PolyCollection (one colour per kind), which keeps a
+    p=16, m=64 timeline quick to draw.
+    """
     origin = min((e.start for e in trace.events), default=0.0)
     span = trace.makespan * scale
-    bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
-    for e in trace.events:
-        bars.setdefault((e.device, e.kind), []).append(((e.start - origin) * scale, e.duration * scale))
-    for device in range(trace.n_devices):
-        ax.broken_barh([(0, span)], (device - 0.4, 0.8), facecolors=IDLE, hatch="///", edgecolor="#BBBBBB",
-                       linewidth=0)
-    for (device, kind), spans in bars.items():
-        ax.broken_barh(spans, (device - 0.4, 0.8), facecolors=COLORS[kind], edgecolor="white", linewidth=0.6)
+    background = [_rectangle(0.0, span, d) for d in range(trace.n_devices)]
+    ax.add_collection(PolyCollection(background, facecolors=IDLE, hatch="///", edgecolors="#BBBBBB", linewidths=0))
+    boxes = [_rectangle((e.start - origin) * scale, e.duration * scale, e.device) for e in trace.events]
+    colors = [COLORS[e.kind] for e in trace.events]
+    ax.add_collection(PolyCollection(boxes, facecolors=colors, edgecolors="white", linewidths=0.6))
     if label_microbatches and span > 0:
         for e in trace.events:
             width = e.duration * scale
             if width / span > 0.012:
                 ax.text((e.start - origin) * scale + width / 2, e.device, str(e.microbatch), ha="center",
                         va="center", fontsize=8 if width / span > 0.025 else 6, color="white")
+    ax.set_xlim(0, span if span > 0 else 1)
     ax.set_ylim(trace.n_devices - 0.5, -0.5)  # device 0 on top
     ax.set_yticks(range(trace.n_devices))
     ax.set_yticklabels([_device_label(trace, d) for d in range(trace.n_devices)])
+
+
+def _rectangle(left: float, width: float, row: int) -> list[tuple[float, float]]:
+    return [(left, row - 0.4), (left + width, row - 0.4), (left + width, row + 0.4), (left, row + 0.4)]
 
 
 def _legend(ax, events, n_rows: int) -> None:
     kinds = sorted({e.kind for e in events}, key="FBW".index)
     handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in kinds]
     handles.append(Patch(facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", label="idle (bubble)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * (6 - min(n_rows, 6))),
+    height = ax.figure.get_figheight() * ax.get_position().height  # inches of the axes
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45 / max(height, 0.5)),
               ncol=len(handles), frameon=False, fontsize=8)
 
 

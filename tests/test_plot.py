@@ -18,8 +18,9 @@ def bar_spans(ax, color):
     """(device row, start, width) of every bar drawn in `color`."""
     found = []
     for collection in ax.collections:
-        if tuple(collection.get_facecolor()[0][:3]) == mcolors.to_rgb(color):
-            for path in collection.get_paths():
+        colors = collection.get_facecolor()
+        for k, path in enumerate(collection.get_paths()):
+            if tuple(colors[k % len(colors)][:3]) == mcolors.to_rgb(color):
                 (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
                 found.append((round((y0 + y1) / 2), round(x0, 6), round(x1 - x0, 6)))
     return sorted(found)
