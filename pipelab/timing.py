@@ -59,6 +59,7 @@ def run_dependencies(schedule: Schedule, duration: Duration, delay: Delay | None
     waiting_for: dict[int, tuple[Action, Action]] = {}
     runnable = deque(range(len(actions)))
 
+    finished_at, append_order, wake = end.get, order.append, parked.pop  # local names: this loop is hot
     while runnable:
         device = runnable.popleft()
         row = actions[device]
@@ -67,7 +68,7 @@ def run_dependencies(schedule: Schedule, duration: Duration, delay: Delay | None
             action = row[index]
             ready, missing = ready_at, None
             for needed in dependencies(action, n_stages):
-                finished = end.get(needed)
+                finished = finished_at(needed)
                 if finished is None:
                     missing = needed
                     break
@@ -81,9 +82,9 @@ def run_dependencies(schedule: Schedule, duration: Duration, delay: Delay | None
                 break
             start[action] = ready
             end[action] = ready_at = ready + duration(action)
-            order.append(action)
+            append_order(action)
             index += 1
-            woken = parked.pop(action, None)
+            woken = wake(action, None)
             if woken:
                 runnable.extend(woken)
         else:
