@@ -102,12 +102,19 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix(loss=f"{result.loss:.4f}")
     trace = result.trace
     print(report(pipe, trace, losses, step_seconds))
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / f"timeline_{pipe.schedule.name}_p{args.stages}_m{args.microbatches}.png"
-    pl.plot.timeline(trace).savefig(png, dpi=120)
-    chrome = trace.to_chrome_trace(args.out / f"trace_{pipe.schedule.name}_p{args.stages}_m{args.microbatches}.json")
-    print(f"\ntimeline: {png}\nChrome trace (open in Perfetto or chrome://tracing): {chrome}")
+    stem = f"{pipe.schedule.name}_p{args.stages}_m{args.microbatches}"
+    write_outputs(trace, args.out / f"timeline_{stem}.png", args.out / f"trace_{stem}.json")
     return 0
+
+
+def write_outputs(trace, png: Path, chrome: Path) -> None:
+    """Save the timeline PNG and the Chrome trace, and say where they are."""
+    import pipelab as pl
+
+    png.parent.mkdir(parents=True, exist_ok=True)
+    pl.plot.timeline(trace).savefig(png, dpi=120)
+    trace.to_chrome_trace(chrome)
+    print(f"\ntimeline: {png}\nChrome trace (open in Perfetto or chrome://tracing): {chrome}")
 
 
 def simulate(args: argparse.Namespace) -> int:
@@ -125,11 +132,8 @@ def simulate(args: argparse.Namespace) -> int:
     print(f"makespan {trace.makespan:.4g}   bubble fraction {trace.bubble_fraction:.2%}   "
           f"(formula (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.2%}, without communication)")
     print(f"peak in-flight micro-batches per stage: {trace.peak_inflight}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    png = args.out / f"simulated_{schedule.name}_p{p}_m{m}.png"
-    pl.plot.timeline(trace).savefig(png, dpi=120)
-    chrome = trace.to_chrome_trace(args.out / f"simulated_{schedule.name}_p{p}_m{m}.json")
-    print(f"timeline: {png}\nChrome trace: {chrome}")
+    stem = f"simulated_{schedule.name}_p{p}_m{m}"
+    write_outputs(trace, args.out / f"{stem}.png", args.out / f"{stem}.json")
     return 0
 
 

@@ -152,3 +152,14 @@ def _load_from_directory(directory: Path, module_name: str) -> ModuleType:
             del sys.modules[unique_name]  # so the next test shows the same error again
             raise
     return sys.modules[unique_name]
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Tiny models run faster on one thread (and far faster when other work shares the cores)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -8,12 +8,7 @@ import pipelab as pl
 from pipelab.timing import run_dependencies
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def run(schedule="1f1b", n_stages=4, n_microbatches=8, batch=32, width=32):

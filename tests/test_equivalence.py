@@ -13,13 +13,7 @@ BATCH = 19  # prime: most m give uneven micro-batches
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run faster on one thread (and far faster when other work shares the cores)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_model(kind):
