@@ -15,13 +15,12 @@ def two_device_trace(source="replayed"):
 
 
 def bar_spans(ax, color):
-    """(device row, start, width) of every bar drawn in `color`."""
+    """(device row, start, width) of every rectangle drawn in `color`."""
     found = []
-    for collection in ax.collections:
-        colors = collection.get_facecolor()
-        for k, path in enumerate(collection.get_paths()):
-            if tuple(colors[k % len(colors)][:3]) == mcolors.to_rgb(color):
-                (x0, y0), (x1, y1) = path.vertices.min(axis=0), path.vertices.max(axis=0)
+    for patch in ax.patches:
+        if tuple(patch.get_facecolor()[:3]) == mcolors.to_rgb(color):
+            for polygon in patch.get_path().to_polygons():
+                (x0, y0), (x1, y1) = polygon.min(axis=0), polygon.max(axis=0)
                 found.append((round((y0 + y1) / 2), round(x0, 6), round(x1 - x0, 6)))
     return sorted(found)
 
