@@ -16,8 +16,10 @@ These tests run it in subprocesses, through ``pipelab.grade.run_task_tests``, an
 
 Each task's tests run in one pytest subprocess against solutions, exercises and the
 task's mutants at once (``--impl a,b,c`` parametrizes them), so torch is imported once
-per task.  The subprocesses start together (as many at once as there are CPUs, at most
-4) when the first test needs one.
+per task.  Tasks whose tests do not import torch share one subprocess (starting it costs
+more than their tests), in which ``-k`` keeps each test file from meeting the other
+tasks' mutants.  The subprocesses start together (as many at once as there are CPUs, at
+most 4) when the first test needs one.
 
 Once you work on exercises/ yourself, the stub checks are skipped (your work is graded
 by ``pipelab grade``); with the environment variable CI set they always apply.
@@ -31,6 +33,7 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -61,9 +64,19 @@ def hangs(mutant: Path) -> bool:
     return mutant.name.endswith("_hangs")
 
 
+def run_of_task(task: str) -> str:
+    """The run that holds a task's tests: its own when they import torch (those runs are
+    the long ones, and go side by side), else the run shared by every such task."""
+    source = (ROOT / "tests" / "tasks" / f"test_{grade.marker(task)}.py").read_text(encoding="utf-8")
+    return task if re.search(r"^(import|from) torch\b", source, flags=re.MULTILINE) else "without torch"
+
+
+RUNS = {task: run_of_task(task) for task in TASKS}
+
+
 def run_name(mutant: Path) -> str:
     """The run that holds a mutant: its task's run, or its own when it hangs."""
-    return mutant_name(mutant) if hangs(mutant) else task_of(mutant)
+    return mutant_name(mutant) if hangs(mutant) else RUNS[task_of(mutant)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -73,9 +86,12 @@ def runs(request):
     they start before this module's first test; but only the runs that the selected tests
     ask for (by a ``runs`` argument) are started."""
     jobs = {}
-    for task in TASKS:
-        mutants = [str(path) for path in MUTANTS if task_of(path) == task and not hangs(path)]
-        jobs[task] = dict(impl=["solutions", "exercises", *mutants], tasks=[task], pytest_args=META)
+    for name in dict.fromkeys(RUNS.values()):
+        tasks = [task for task in TASKS if RUNS[task] == name]
+        mutants = [str(path) for path in MUTANTS if task_of(path) in tasks and not hangs(path)]
+        jobs[name] = dict(
+            impl=["solutions", "exercises", *mutants], tasks=tasks, pytest_args=(*META, *own_mutants_only(tasks))
+        )
     for path in filter(hangs, MUTANTS):
         jobs[mutant_name(path)] = dict(
             impl=str(path), tasks=[task_of(path)], timeout_s=2.0, pytest_args=(*META, "-x")
@@ -86,20 +102,39 @@ def runs(request):
             continue
         callspec = getattr(item, "callspec", None)
         mutant = callspec.params.get("mutant") if callspec else None
-        needed |= {run_name(mutant)} if mutant else set(TASKS)
+        needed |= {run_name(mutant)} if mutant else set(RUNS.values())
     pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 2))
     yield {name: pool.submit(grade.run_task_tests, **job) for name, job in jobs.items() if name in needed}
     pool.shutdown(cancel_futures=True)
 
 
+def own_mutants_only(tasks: list[str]) -> tuple[str, ...]:
+    """-k for a run of several tasks, so that the tests of test_task1_1.py meet no mutant
+    of another task: they would only fail to find their module, and slowly (tracebacks,
+    hypothesis shrinking the error), for outcomes that ``outcomes_of`` leaves out anyway.
+    A test's id ends with its implementation, e.g. ``[task2_1/last_stage_forgotten]``."""
+    if len(tasks) < 2:
+        return ()
+    markers = [grade.marker(task) for task in tasks]
+    clauses = [
+        f"not (test_{mine}.py and ({' or '.join(f'{other}/' for other in markers if other != mine)}))"
+        for mine in markers
+    ]
+    return ("-k", " and ".join(clauses))
+
+
 def outcomes_of(runs, impl: str | Path) -> list[grade.TestOutcome]:
-    """The outcomes of one implementation, over the runs that hold it."""
-    names = [run_name(impl)] if isinstance(impl, Path) else TASKS
+    """The outcomes of one implementation, over the runs that hold it (for a mutant, of
+    its own task's tests only)."""
+    names = [run_name(impl)] if isinstance(impl, Path) else dict.fromkeys(RUNS.values())
     outcomes = []
     for name in names:
         run = runs[name].result()
         assert run.outcomes and not run.errors, "\n".join(run.errors) or run.output[-3000:]
-        outcomes += [o for o in run.outcomes if o.impl == str(impl)]
+        outcomes += [
+            o for o in run.outcomes
+            if o.impl == str(impl) and (not isinstance(impl, Path) or o.task == task_of(impl))
+        ]
     return outcomes
 
 

@@ -1,0 +1,60 @@
+"""Task 3.2: peak in-flight micro-batches and peak activation bytes per stage, from a trace (lesson 04)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+Event = tuple[int, str, int, float, float]  # (stage, kind, microbatch, start, end), kind "F" or "B"
+
+
+def peak_inflight(events: Sequence[Event], n_stages: int) -> list[int]:
+    """The most micro-batches each stage holds at once during a step.
+
+    ``events`` is a trace: one ``(stage, kind, microbatch, start, end)`` per action that
+    ran, kind "F" or "B", in any order.  A micro-batch is *in flight* on stage s from the
+    start of its forward F(s, i) to the end of its backward B(s, i): all that time the
+    stage keeps what the backward will need.  Intervals are half-open, [start of F, end of
+    B): one micro-batch leaving at time t and another entering at the same t are never
+    in flight together.  A stage's events may overlap in time (a runtime can start the
+    next forward while a backward runs): count intervals, do not assume one action at a
+    time.  Return the peak count for each stage 0 .. n_stages - 1 (0 for a stage without
+    events).
+
+    GPipe holds m micro-batches on every stage; 1F1B holds min(p - s, m) on stage s
+    (PipeDream-2BW §3.2; DeepSpeed's ``num_pipe_buffers``).  Hint: turn each event into a
+    +1 or -1 at one instant and sweep the instants in time order.
+
+    >>> trace = [(0, "F", 0, 0.0, 1.0), (0, "B", 0, 1.0, 2.0),   # micro-batch 0 leaves at 2
+    ...          (0, "F", 1, 2.0, 3.0), (0, "B", 1, 3.0, 4.0)]   # micro-batch 1 enters at 2
+    >>> peak_inflight(trace, 1)
+    [1]
+
+    Raises:
+        ValueError: if ``n_stages < 1``, or an event's stage is not one of
+            0 .. n_stages - 1.
+    """
+    # TODO: Implement for Task 3.2.
+    raise NotImplementedError("Task 3.2")
+
+
+def peak_activation_bytes(
+    events: Sequence[Event], bytes_per_microbatch: Sequence[int], n_stages: int
+) -> list[int]:
+    """The most activation bytes each stage holds at once during a step.
+
+    Same trace as :func:`peak_inflight`.  Stage s keeps ``bytes_per_microbatch[s]`` bytes
+    for micro-batch i from the *end* of F(s, i) (when its activations exist) to the end of
+    B(s, i) (when the backward has used them).  As there, a release and an acquisition at
+    the same instant do not overlap.  Return the peak bytes for each stage.
+
+    >>> trace = [(0, "F", 0, 0.0, 1.0), (0, "F", 1, 1.0, 2.0),
+    ...          (0, "B", 0, 2.0, 3.0), (0, "B", 1, 3.0, 4.0)]
+    >>> peak_activation_bytes(trace, [100], 1)
+    [200]
+
+    Raises:
+        ValueError: as :func:`peak_inflight`; and if ``len(bytes_per_microbatch)`` is not
+            ``n_stages``.
+    """
+    # TODO: Implement for Task 3.2.
+    raise NotImplementedError("Task 3.2")
