@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -52,8 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--latency", type=float, default=0.0, help="seconds per message between stages")
     sim.add_argument("--out", type=Path, default=Path("pipelab-out"))
 
-    lab = commands.add_parser("lab", help="open the course (lessons/) in JupyterLab")
-    lab.add_argument("jupyter_args", nargs=argparse.REMAINDER, help="passed on to jupyter lab (e.g. --no-browser)")
+    commands.add_parser("lab", help="open the course (lessons/) in JupyterLab; other options go to jupyter lab",
+                        add_help=False)
 
     commands.add_parser("grade", help="grade your exercises, task by task (pipelab grade --help)", add_help=False)
     return parser
@@ -65,12 +66,12 @@ def main(argv: list[str] | None = None) -> int:
         from .grade import main as grade_main
 
         return grade_main(argv[1:])
+    if argv[:1] == ["lab"]:  # ... and after "lab" to jupyter lab (e.g. --no-browser --port 8899)
+        return lab(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return run(args)
-    if args.command == "simulate":
-        return simulate(args)
-    return lab(args.jupyter_args)
+    return simulate(args)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -175,6 +176,8 @@ def lab(jupyter_args: list[str]) -> int:
               "(`pip install -e .` in the repository)", file=sys.stderr)
         return 2
     command = [sys.executable, "-m", "jupyterlab", f"--ServerApp.root_dir={lessons}", *jupyter_args]
+    if hasattr(os, "geteuid") and os.geteuid() == 0 and "--allow-root" not in command:
+        command.append("--allow-root")  # containers and cloud machines often run as root; JupyterLab refuses otherwise
     print("Opening the course:", " ".join(command))
     return subprocess.call(command)
 

@@ -46,3 +46,15 @@ def test_simulate_prints_grid_and_metrics(tmp_path, capsys):
     assert (tmp_path / "simulated_1f1b_p8_m32.png").exists() and (tmp_path / "simulated_1f1b_p8_m32.json").exists()
     assert main(["simulate", "--schedule", "zigzag", "--out", str(tmp_path)]) == 2
     assert "unknown schedule" in capsys.readouterr().err
+
+
+def test_lab_opens_jupyterlab_on_the_lessons(monkeypatch):
+    import subprocess
+
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda command: calls.append(command) or 0)
+    assert main(["lab", "--no-browser", "--port", "8899"]) == 0
+    command = calls[0]
+    assert command[1:3] == ["-m", "jupyterlab"]
+    assert any(part.startswith("--ServerApp.root_dir=") and part.endswith("lessons") for part in command)
+    assert "--no-browser" in command and "8899" in command
