@@ -184,7 +184,7 @@ class Pipeline:
     def _trace(self, clock: "_Clock", saved_bytes: dict, recomputed_bytes: dict, allocated: dict) -> Trace:
         durations = clock.durations()
         if self.wall_clock:
-            start, end, source = clock.wall_starts(), None, "measured"
+            start, source = clock.wall_starts(), "measured"
             end = {a: start[a] + durations[a] for a in start}
         else:
             timing = run_dependencies(self.schedule, duration=durations.__getitem__)
