@@ -100,16 +100,19 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
 
     from . import plot
 
+    labelled = dict(style={"description_width": "initial"})  # show the whole label, not "micro-bat..."
     controls = {
-        "n_devices": w.IntSlider(value=n_devices, min=1, max=16, description="devices p"),
-        "n_microbatches": w.IntSlider(value=n_microbatches, min=1, max=64, description="micro-batches m"),
-        "schedule": w.Dropdown(options=sorted(GENERATORS), value=schedule, description="schedule"),
-        "backward_ratio": w.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="t_B / t_F"),
-        "latency": w.FloatSlider(value=0.0, min=0.0, max=2.0, step=0.1, description="latency / t_F"),
-        "checkpoint": w.Dropdown(options=["never", "always", "except_last"], value="never", description="checkpoint"),
-        "memory_budget": w.FloatSlider(value=0.0, min=0.0, max=64.0, step=0.5, description="budget (mb)"),
+        "n_devices": w.IntSlider(value=n_devices, min=1, max=16, description="devices p", **labelled),
+        "n_microbatches": w.IntSlider(value=n_microbatches, min=1, max=64, description="micro-batches m", **labelled),
+        "schedule": w.Dropdown(options=sorted(GENERATORS), value=schedule, description="schedule", **labelled),
+        "backward_ratio": w.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="t_B / t_F", **labelled),
+        "latency": w.FloatSlider(value=0.0, min=0.0, max=2.0, step=0.1, description="latency / t_F", **labelled),
+        "checkpoint": w.Dropdown(options=["never", "always", "except_last"], value="never",
+                                 description="checkpointing", **labelled),
+        "memory_budget": w.FloatSlider(value=0.0, min=0.0, max=64.0, step=0.5,
+                                       description="budget (micro-batches)", **labelled),
     }
-    button = w.Button(description="run it for real (CPU)", icon="play")
+    button = w.Button(description="run it for real (CPU)", icon="play", layout=w.Layout(width="auto"))
     summary, figure, memory_figure, real_output = w.HTML(), w.Output(), w.Output(), w.Output()
     box = w.VBox([w.HBox([controls["n_devices"], controls["n_microbatches"], controls["schedule"]]),
                   w.HBox([controls["backward_ratio"], controls["latency"], button]),
