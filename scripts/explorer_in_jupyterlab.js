@@ -1,12 +1,11 @@
 // Optional check that the explorer widget renders and responds inside a real JupyterLab.
-// Not part of `make test` (it needs a browser).  On Debian/Ubuntu:
-//   apt-get install chromium && npm install playwright-core
-//   printf 'import pipelab as pl\nbox = pl.widgets.explorer()\nbox\n' > /tmp/explorer.py   # or any notebook
-//   .venv/bin/pipelab lab --no-browser --port 8898 --IdentityProvider.token=abc &
-//   node scripts/explorer_in_jupyterlab.js NOTEBOOK_PATH_UNDER_LESSONS   (e.g. 03_gpipe.ipynb is too long;
-//   use a one-cell notebook saved in lessons/ that shows pl.widgets.explorer(), then delete it)
-// It runs the first cell, moves the micro-batches slider to its maximum, presses "run it for real"
-// and writes /tmp/explorer_before.png and /tmp/explorer_after.png to look at.
+// Not part of `make test` (it needs a browser).  On Debian/Ubuntu, from the repository root:
+//   apt-get install chromium && (cd /tmp && npm install playwright-core)
+//   mkdir -p /tmp/labcheck && .venv/bin/python -c "import nbformat as n; nb = n.v4.new_notebook(cells=[n.v4.new_code_cell('import pipelab as pl\npl.widgets.explorer()')]); n.write(nb, '/tmp/labcheck/explorer_check.ipynb')"
+//   .venv/bin/python -m jupyterlab --no-browser --allow-root --port 8898 --IdentityProvider.token=abc --ServerApp.root_dir=/tmp/labcheck &
+//   NODE_PATH=/tmp/node_modules node scripts/explorer_in_jupyterlab.js
+// It runs the cell, moves the micro-batches slider to its maximum (64), presses "run it for real",
+// prints the explorer's summary line and writes /tmp/explorer_before.png and /tmp/explorer_after.png.
 const { chromium } = require('playwright-core');
 
 (async () => {
