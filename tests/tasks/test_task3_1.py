@@ -1,7 +1,7 @@
 """Task 3.1: one_f_one_b_schedule, the 1F1B (PipeDream-Flush) table.
 
 The references are written out here: the drawings of p=4 with m=8 (the docstring's) and
-m=2, which a unit-time run of the dependencies (``unit_time_starts`` below) must
+m=2, which a unit-time run of the dependencies (``schedule_tables.unit_time_starts``) must
 reproduce, and small tables.  For every p <= 8 and m <= 16 (m < p included) the table is
 checked for its properties: each action once, on its stage's device; the dependencies can
 all be met, in GPipe's 2(m + p - 1) unit steps; min(p - s, m) micro-batches in flight on
@@ -11,6 +11,8 @@ stage s.
 from __future__ import annotations
 
 import pytest
+
+from schedule_tables import assert_well_formed, draw, peak_inflight_of_row, rows_of, unit_time_starts
 
 pytestmark = pytest.mark.task3_1
 
@@ -31,85 +33,6 @@ device 1 | .  F0 F1 .  .  .  B0 .  B1 .
 device 2 | .  .  F0 F1 .  B0 .  B1 .  .
 device 3 | .  .  .  F0 B0 F1 B1 .  .  .
 """
-
-
-def rows_of(drawing: str) -> list[list[tuple[str, int, int]]]:
-    """The table a drawing shows: on row d, cell 'F3' is ('F', d, 3); '.' is idle."""
-    rows = []
-    for device, line in enumerate(drawing.strip().splitlines()):
-        cells = line.split("|")[1].split()
-        rows.append([(cell[0], device, int(cell[1:])) for cell in cells if cell != "."])
-    return rows
-
-
-def inputs_of(action, n_stages):
-    """F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i)."""
-    kind, stage, mb = action
-    if kind == "F":
-        return [("F", stage - 1, mb)] if stage > 0 else []
-    return [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < n_stages - 1 else [])
-
-
-def unit_time_starts(table, n_stages) -> dict:
-    """Run the table with every action one step long, each as soon as its device is free
-    and its inputs are ready: {action: start step}.  Fails on a deadlock."""
-    start, position, free = {}, [0] * len(table), [0] * len(table)
-    moved = True
-    while moved:
-        moved = False
-        for device, row in enumerate(table):
-            while position[device] < len(row):
-                action = tuple(row[position[device]])
-                needs = inputs_of(action, n_stages)
-                if not all(need in start for need in needs):
-                    break
-                start[action] = max([free[device]] + [start[need] + 1 for need in needs])
-                free[device] = start[action] + 1
-                position[device] += 1
-                moved = True
-    stuck = {d: row[position[d]] for d, row in enumerate(table) if position[d] < len(row)}
-    assert not stuck, (
-        f"the table deadlocks: these devices wait forever at their next action {stuck} "
-        "(F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i))"
-    )
-    return start
-
-
-def draw(table, n_stages) -> str:
-    """The drawing of the docstring: one row per device, one column per time step."""
-    start = unit_time_starts(table, n_stages)
-    steps = max(start.values()) + 1
-    lines = []
-    for device, row in enumerate(table):
-        cells = [". "] * steps
-        for kind, _, mb in row:
-            cells[start[(kind, device, mb)]] = f"{kind}{mb}"
-        lines.append(f"device {device} | " + " ".join(cells).rstrip())
-    return "\n".join(lines)
-
-
-def assert_well_formed(table, n_stages, n_microbatches):
-    call = f"one_f_one_b_schedule({n_stages}, {n_microbatches})"
-    assert isinstance(table, list) and len(table) == n_stages, (
-        f"{call} should return a list of {n_stages} rows (one per device), got "
-        f"{len(table) if isinstance(table, list) else type(table).__name__}"
-    )
-    for device, row in enumerate(table):
-        expected = {(kind, device, mb) for kind in "FB" for mb in range(n_microbatches)}
-        actions = [tuple(action) for action in row]
-        assert len(actions) == len(set(actions)) == len(expected) and set(actions) == expected, (
-            f"{call}: device {device} should run F and B of micro-batches 0..{n_microbatches - 1} "
-            f"through stage {device}, each once; it runs {actions}"
-        )
-
-
-def peak_inflight_of_row(row) -> int:
-    """Micro-batches a device holds at once: +1 at each F, -1 at each B, in list order."""
-    held = peak = 0
-    for kind, _, _ in row:
-        held += 1 if kind == "F" else -1
-        peak = max(peak, held)
-    return peak
 
 
 def test_four_stages_eight_microbatches_as_drawn_in_the_docstring(impl):
@@ -141,7 +64,8 @@ def test_one_stage_alternates_forward_and_backward(impl):
 def test_every_action_once_on_its_own_stage(impl):
     one_f_one_b_schedule = impl("one_f_one_b").one_f_one_b_schedule
     for n_stages, n_microbatches in GRID:
-        assert_well_formed(one_f_one_b_schedule(n_stages, n_microbatches), n_stages, n_microbatches)
+        assert_well_formed(one_f_one_b_schedule(n_stages, n_microbatches), n_stages, n_microbatches,
+                           "one_f_one_b_schedule")
 
 
 def test_dependencies_can_be_met_in_the_fill_drain_time(impl):
