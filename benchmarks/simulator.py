@@ -25,7 +25,7 @@ import pipelab as pl  # noqa: E402
 from pipelab.widgets import explorer_view  # noqa: E402
 
 
-def throughput(repeats: int = 3) -> float:
+def throughput(repeats: int = 5) -> float:
     schedule = pl.schedules.one_f_one_b(64, 1024)
     n_actions = len(schedule.all_actions())
     seconds = []

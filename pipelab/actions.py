@@ -9,6 +9,7 @@ row's own, the cell of `Schedule.to_text()`.
 from __future__ import annotations
 
 import re
+from operator import itemgetter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -49,18 +50,17 @@ class Action(NamedTuple):
         return cls(match.group(2), found_stage, int(match.group(3)))
 
 
-def dependencies(action: Action, n_stages: int) -> tuple[tuple[str, int, int], ...]:
-    """The actions whose results `action` needs (DESIGN.md, "a schedule is data").
+NEEDS = {"F": (("F", -1),), "B": (("F", 0), ("B", +1)), "W": (("B", 0),)}
+"""What an action of each kind needs, as (kind, stage offset), same micro-batch (DESIGN.md):
+F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i).
+A need whose stage falls outside 0..p-1 does not exist (stage 0 has no F before it,
+the last stage no B after it)."""
 
-    F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i).
-    Returned as plain tuples, which compare and hash equal to the `Action`s they name.
-    """
+
+def dependencies(action: Action, n_stages: int) -> tuple[Action, ...]:
+    """The actions whose results `action` needs (see `NEEDS`)."""
     kind, stage, mb = action
-    if kind == "F":
-        return (("F", stage - 1, mb),) if stage > 0 else ()
-    if kind == "B":
-        return (("F", stage, mb), ("B", stage + 1, mb)) if stage < n_stages - 1 else (("F", stage, mb),)
-    return (("B", stage, mb),)
+    return tuple(Action(need, stage + offset, mb) for need, offset in NEEDS[kind] if 0 <= stage + offset < n_stages)
 
 
 @dataclass
@@ -89,8 +89,8 @@ class Schedule:
         """Map each stage to the device that runs it (from where its actions are)."""
         found: dict[int, int] = {}
         for device, row in enumerate(self.actions):
-            for action in row:
-                found.setdefault(action.stage, device)
+            for stage in set(map(itemgetter(1), row)):  # itemgetter(1) of an Action is its stage
+                found.setdefault(stage, device)
         return found
 
     def to_text(self) -> str:

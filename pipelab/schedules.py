@@ -112,7 +112,7 @@ def _looks_valid(schedule: Schedule) -> bool:
     if not all(isinstance(row, (list, tuple)) for row in rows):
         return False
     flat = [a for row in rows for a in row]
-    if not flat or not all(type(a) is Action for a in flat):
+    if not flat or set(map(type, flat)) != {Action}:
         return False
     kinds, stages, microbatches = zip(*flat)
     kind_set = set(kinds)

@@ -67,13 +67,14 @@ def _simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None, 
 
     # A message crosses the boundary after stage min(sender, receiver): F(s-1)->F(s), B(s+1)->B(s).
     message = [costs.message_seconds(s, p) for s in range(p)]
-    delay = (lambda sender, receiver: message[min(sender[1], receiver[1])]) if any(message) else None
+    delay = (lambda sender, receiver: message[min(sender.stage, receiver.stage)]) if any(message) else None
     timing = run_dependencies(schedule, duration, delay)
     explain_stuck(schedule, timing)  # a deadlock does not depend on the durations
     device_of = schedule.device_of_stage()
-    start, end = timing.start, timing.end
-    make = Event._make  # skips NamedTuple's Python-level __new__; a is (kind, stage, mb)
-    events = [make((a[1], a[0], a[2], start[a], end[a], device_of[a[1]])) for a in timing.order]
+    # Build the events column by column (C-level loops: this is most of a large simulation's cost).
+    kinds, stages, microbatches = zip(*timing.order) if timing.order else ((), (), ())
+    devices = map(device_of.__getitem__, stages)
+    events = list(map(Event._make, zip(stages, kinds, microbatches, timing.starts, timing.ends, devices)))
     full = [costs.per_stage("memory_bytes", s, p) for s in range(p)]
     inputs = [costs.per_stage("input_bytes", s, p) for s in range(p)]
     held = [inputs[s] if recompute[s] else full[s] for s in range(p)]

@@ -20,82 +20,101 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
-from .actions import Action, Schedule, dependencies
+from .actions import NEEDS, Action, Schedule
 
 Duration = Callable[[Action], float]
-Delay = Callable[[tuple, Action], float]  # (producer as a (kind, stage, microbatch) tuple, consumer) -> seconds
+Delay = Callable[[Action, Action], float]  # (producer, consumer) -> seconds on the link between them
 
 
 @dataclass
 class Timing:
-    start: dict[Action, float]
-    end: dict[Action, float]
     order: list[Action]  # every action that ran, in the order the loop timed them (dependencies first)
+    starts: list[float]  # starts[k] and ends[k] belong to order[k]
+    ends: list[float]
     stuck: dict[int, tuple[Action, Action]]  # device -> (its next action, the result it waits for)
+
+    @cached_property
+    def start(self) -> dict[Action, float]:
+        return dict(zip(self.order, self.starts))
+
+    @cached_property
+    def end(self) -> dict[Action, float]:
+        return dict(zip(self.order, self.ends))
 
     @property
     def makespan(self) -> float:
-        return max(self.end.values(), default=0.0) - min(self.start.values(), default=0.0)
+        return max(self.ends, default=0.0) - min(self.starts, default=0.0)
 
     def time_order(self) -> list[Action]:
         """`order` sorted by start time (ties keep dependency order): how a single host issues the work."""
-        rank = {a: i for i, a in enumerate(self.order)}
-        return sorted(self.order, key=lambda a: (self.start[a], rank[a]))
+        return [a for _, _, a in sorted(zip(self.starts, range(len(self.order)), self.order))]
 
 
 def run_dependencies(schedule: Schedule, duration: Duration, delay: Delay | None = None) -> Timing:
-    """Time every action of `schedule` (see the module docstring for the rule)."""
-    actions = schedule.actions
-    n_stages = schedule.n_stages
-    device_of = {a: d for d, row in enumerate(actions) for a in row} if delay is not None else {}
-    start: dict[Action, float] = {}
-    end: dict[Action, float] = {}
-    order: list[Action] = []
+    """Time every action of `schedule` (see the module docstring for the rule).
+
+    The schedule must be well formed (`pipelab.schedules.check_structure`): every stage and
+    micro-batch in range.  The end times live in one table per kind, ended[kind][stage][mb],
+    so that looking up what an action needs costs two list indexings (see `NEEDS`).
+    """
+    actions, n_stages = schedule.actions, schedule.n_stages
+    stage_device = schedule.device_of_stage()
+    ended = {kind: [[None] * schedule.n_microbatches for _ in range(n_stages)] for kind in NEEDS}
+    order, starts, ends = [], [], []
     next_index = [0] * len(actions)
     device_free = [0.0] * len(actions)
-    parked: dict[Action, list[int]] = {}
+    parked: dict[tuple, list[int]] = {}
     waiting_for: dict[int, tuple[Action, Action]] = {}
     runnable = deque(range(len(actions)))
+    record_action, record_start, record_end = order.append, starts.append, ends.append  # hot loop
 
-    finished_at, append_order, wake = end.get, order.append, parked.pop  # local names: this loop is hot
     while runnable:
         device = runnable.popleft()
         row = actions[device]
         index, ready_at = next_index[device], device_free[device]
         while index < len(row):
             action = row[index]
+            kind, stage, mb = action
             ready, missing = ready_at, None
-            for needed in dependencies(action, n_stages):
-                finished = finished_at(needed)
+            for need, offset in NEEDS[kind]:
+                source = stage + offset
+                if not 0 <= source < n_stages:
+                    continue
+                finished = ended[need][source][mb]
                 if finished is None:
-                    missing = needed
+                    missing = (need, source, mb)
                     break
-                if delay is not None and device_of.get(needed) != device:
-                    finished += delay(needed, action)
+                if delay is not None and stage_device[source] != device:
+                    finished += delay(Action(need, source, mb), action)
                 if finished > ready:
                     ready = finished
             if missing is not None:
                 parked.setdefault(missing, []).append(device)
                 waiting_for[device] = (action, Action(*missing))
                 break
-            start[action] = ready
-            end[action] = ready_at = ready + duration(action)
-            append_order(action)
+            ready_at = ready + duration(action)
+            ended[kind][stage][mb] = ready_at
+            record_action(action)
+            record_start(ready)
+            record_end(ready_at)
             index += 1
-            woken = wake(action, None)
-            if woken:
-                runnable.extend(woken)
+            if parked:
+                runnable.extend(parked.pop(action, ()))
         else:
             waiting_for.pop(device, None)
         next_index[device], device_free[device] = index, ready_at
 
-    return Timing(start, end, order, waiting_for)
+    return Timing(order, starts, ends, waiting_for)
 
 
 def unit_time_grid(schedule: Schedule) -> str:
     """Draw `schedule` with every action one time step long (see `Schedule.to_text`)."""
+    from .schedules import check_structure
+
+    check_structure(schedule)  # names a missing, repeated or out-of-range action
     timing = run_dependencies(schedule, duration=lambda a: 1.0)
     if timing.stuck:
         from .errors import ScheduleError
