@@ -136,23 +136,29 @@ def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | N
             memory(t, ax=side, title=f"{label} — {t.source_label}", budget_bytes=budget_bytes,
                    unit_bytes=unit_bytes, unit_name=unit_name)
         return fig
-    if ax is None:
+    own_figure = ax is None
+    if own_figure:
         fig, ax = plt.subplots(figsize=(10, 3.5))
+        fig.subplots_adjust(left=0.08, right=0.74, top=0.86, bottom=0.15)  # fixed: tight_layout is slow
     else:
         fig = ax.figure
     origin = min((e.start for e in trace.events), default=0.0)
     scale, unit = _time_unit(trace.makespan, trace.source)
     peaks = trace.peak_memory
-    for device in range(trace.n_devices):
-        times, values = trace.memory_curve(device)
-        if not times:
-            continue
-        xs = [(t - origin) * scale for t in times] + [trace.makespan * scale]
-        ys = [v / unit_bytes for v in values] + [values[-1] / unit_bytes]
+    curves: dict[int, list] = {}
+    for sample in sorted((s for s in trace.memory if s.what == "activations"), key=lambda s: s.time):
+        curves.setdefault(sample.device, []).append(sample)
+    tops = []  # (x, y, colour) of each device's first peak
+    for device, samples in sorted(curves.items()):
+        xs = [(s.time - origin) * scale for s in samples] + [trace.makespan * scale]
+        ys = [s.bytes / unit_bytes for s in samples] + [samples[-1].bytes / unit_bytes]
         line, = ax.step(xs, ys, where="post",
                         label=f"device {device} (peak {peaks[device] / unit_bytes:.3g} {unit_name})")
-        top = max(range(len(values)), key=values.__getitem__)
-        ax.plot(xs[top], ys[top], "o", color=line.get_color())
+        top = ys.index(max(ys))
+        tops.append((xs[top], ys[top], line.get_color()))
+    if tops:
+        top_x, top_y, top_colors = zip(*tops)
+        ax.scatter(top_x, top_y, c=top_colors, zorder=3, s=25)
     over = []
     if budget_bytes is not None:
         ax.axhline(budget_bytes / unit_bytes, color="crimson", ls="--", lw=1.2,
@@ -160,12 +166,17 @@ def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | N
         over = [d for d in range(trace.n_devices) if peaks[d] > budget_bytes]
     ax.set_xlabel(unit)
     ax.set_ylabel(f"activation memory ({unit_name})")
-    ax.legend(fontsize=8, loc="upper right")
+    if own_figure:  # beside the plot, so it never hides a curve
+        ax.legend(fontsize=7 if trace.n_devices > 8 else 8, loc="upper left", bbox_to_anchor=(1.01, 1.02),
+                  frameon=False)
+    else:
+        ax.legend(fontsize=8, loc="upper right")
     text = title or f"{trace.schedule_name}: activations kept for backward — {trace.source_label}"
     if over:
         text += f"\nout of memory on device(s) {over}"
     ax.set_title(text, fontsize=10, color="crimson" if over else "black")
-    fig.tight_layout()
+    if not own_figure:
+        fig.tight_layout()
     return fig
 
 

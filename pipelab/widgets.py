@@ -64,6 +64,17 @@ def explorer_view(n_devices: int, n_microbatches: int, schedule: str = "1f1b", b
     return ExplorerView(trace, (n_devices - 1) / (n_microbatches + n_devices - 1), memory_budget)
 
 
+def explorer_figures(view: ExplorerView):
+    """The explorer's two pictures of a view, made one at a time: its timeline, then its
+    activation memory (in micro-batch units)."""
+    from . import plot
+
+    yield plot.timeline(view.trace)
+    budget = view.memory_budget
+    yield plot.memory(view.trace, budget_bytes=budget * UNIT if budget else None, unit_bytes=UNIT,
+                      unit_name="micro-batches")
+
+
 def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", width: int = 256,
                  samples_per_microbatch: int = 16, seed: int = 0) -> tuple[Trace, Trace]:
     """Run the MLP for real on the CPU and predict the same step from profiled costs.
@@ -123,17 +134,12 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
     def redraw(_=None):
         box.view = explorer_view(**{name: c.value for name, c in controls.items()})
         summary.value = f"<b>{box.view.summary}</b>"
-        figure.clear_output(wait=True)
-        with figure:
-            fig = plot.timeline(box.view.trace)
-            plt.show()
-            plt.close(fig)
-        memory_figure.clear_output(wait=True)
-        with memory_figure:
-            budget = box.view.memory_budget
-            fig = plot.memory(box.view.trace, budget_bytes=budget * UNIT if budget else None,
-                              unit_bytes=UNIT, unit_name="micro-batches")
-            plt.show()
+        figures = explorer_figures(box.view)
+        for output in (figure, memory_figure):
+            output.clear_output(wait=True)
+            with output:  # one open figure at a time: plt.show() renders it into this output
+                fig = next(figures)
+                plt.show()
             plt.close(fig)
 
     def real(_=None):
@@ -147,7 +153,7 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
                 return
             fig = plot.compare(*box.real)
             plt.show()
-            plt.close(fig)
+        plt.close(fig)
 
     for control in controls.values():
         control.observe(redraw, names="value")
