@@ -139,7 +139,7 @@ def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | N
     own_figure = ax is None
     if own_figure:
         fig, ax = plt.subplots(figsize=(10, 3.5))
-        fig.subplots_adjust(left=0.08, right=0.74, top=0.86, bottom=0.15)  # fixed: tight_layout is slow
+        fig.subplots_adjust(left=0.08, right=0.8, top=0.86, bottom=0.15)  # fixed: tight_layout is slow
     else:
         fig = ax.figure
     origin = min((e.start for e in trace.events), default=0.0)
@@ -152,8 +152,7 @@ def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | N
     for device, samples in sorted(curves.items()):
         xs = [(s.time - origin) * scale for s in samples] + [trace.makespan * scale]
         ys = [s.bytes / unit_bytes for s in samples] + [samples[-1].bytes / unit_bytes]
-        line, = ax.step(xs, ys, where="post",
-                        label=f"device {device} (peak {peaks[device] / unit_bytes:.3g} {unit_name})")
+        line, = ax.step(xs, ys, where="post", label=f"device {device}: peak {peaks[device] / unit_bytes:.3g}")
         top = ys.index(max(ys))
         tops.append((xs[top], ys[top], line.get_color()))
     if tops:

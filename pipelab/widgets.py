@@ -75,6 +75,18 @@ def explorer_figures(view: ExplorerView):
                       unit_name="micro-batches")
 
 
+def _png(fig) -> bytes:
+    """The figure as PNG bytes, then closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=90)
+    plt.close(fig)
+    return buffer.getvalue()
+
+
 def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", width: int = 256,
                  samples_per_microbatch: int = 16, seed: int = 0) -> tuple[Trace, Trace]:
     """Run the MLP for real on the CPU and predict the same step from profiled costs.
@@ -107,7 +119,6 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
     pair of a real run.
     """
     import ipywidgets as w
-    import matplotlib.pyplot as plt
 
     from . import plot
 
@@ -124,36 +135,33 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
                                        description="budget (micro-batches)", **labelled),
     }
     button = w.Button(description="run it for real (CPU)", icon="play", layout=w.Layout(width="auto"))
-    summary, figure, memory_figure, real_output = w.HTML(), w.Output(), w.Output(), w.Output()
+    summary, real_message = w.HTML(), w.HTML()
+    timeline_image, memory_image, real_image = (w.Image(format="png") for _ in range(3))
     box = w.VBox([w.HBox([controls["n_devices"], controls["n_microbatches"], controls["schedule"]]),
                   w.HBox([controls["backward_ratio"], controls["latency"], button]),
                   w.HBox([controls["checkpoint"], controls["memory_budget"]]),
-                  summary, figure, memory_figure, real_output])
+                  summary, timeline_image, memory_image, real_message, real_image])
     box.controls, box.real = controls, None
+    real_image.layout.display = "none"  # until there is a real run to show
 
     def redraw(_=None):
         box.view = explorer_view(**{name: c.value for name, c in controls.items()})
         summary.value = f"<b>{box.view.summary}</b>"
-        figures = explorer_figures(box.view)
-        for output in (figure, memory_figure):
-            output.clear_output(wait=True)
-            with output:  # one open figure at a time: plt.show() renders it into this output
-                fig = next(figures)
-                plt.show()
-            plt.close(fig)
+        for image, fig in zip((timeline_image, memory_image), explorer_figures(box.view)):
+            image.value = _png(fig)  # a picture of our own: no dependence on the notebook's plot backend
 
     def real(_=None):
-        real_output.clear_output(wait=True)
-        with real_output:
-            try:
-                box.real = run_for_real(controls["n_devices"].value, controls["n_microbatches"].value,
-                                        controls["schedule"].value)
-            except ValueError as error:
-                print(error)
-                return
-            fig = plot.compare(*box.real)
-            plt.show()
-        plt.close(fig)
+        real_message.value = "<i>running the engine on the CPU…</i>"
+        try:
+            box.real = run_for_real(controls["n_devices"].value, controls["n_microbatches"].value,
+                                    controls["schedule"].value)
+        except ValueError as error:
+            real_message.value = f"<b>{error}</b>"
+            real_image.layout.display = "none"
+            return
+        real_message.value = "<b>predicted (above) and measured (below), one time axis</b>"
+        real_image.value = _png(plot.compare(*box.real))
+        real_image.layout.display = None
 
     for control in controls.values():
         control.observe(redraw, names="value")

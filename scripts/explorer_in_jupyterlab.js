@@ -4,8 +4,9 @@
 //   mkdir -p /tmp/labcheck && .venv/bin/python -c "import nbformat as n; nb = n.v4.new_notebook(cells=[n.v4.new_code_cell('import pipelab as pl\npl.widgets.explorer()')]); n.write(nb, '/tmp/labcheck/explorer_check.ipynb')"
 //   .venv/bin/python -m jupyterlab --no-browser --allow-root --port 8898 --IdentityProvider.token=abc --ServerApp.root_dir=/tmp/labcheck &
 //   NODE_PATH=/tmp/node_modules node scripts/explorer_in_jupyterlab.js
-// It runs the cell, moves the micro-batches slider to its maximum (64), presses "run it for real",
-// prints the explorer's summary line and writes /tmp/explorer_before.png and /tmp/explorer_after.png.
+// It runs the cell, moves the micro-batches slider to 64 (the timeline and memory redraw), then to 1
+// and presses "run it for real" (predicted above measured); it fails unless all three pictures show
+// up with ink on them.  Screenshots: /tmp/explorer_before.png, _middle.png, _after.png.
 const { chromium } = require('playwright-core');
 
 (async () => {
@@ -25,13 +26,29 @@ const { chromium } = require('playwright-core');
   await page.screenshot({ path: '/tmp/explorer_before.png' });
   const sliders = await page.$$('.widget-slider [role=slider], .widget-slider .noUi-handle');
   await sliders[1].focus(); // micro-batches
-  await page.keyboard.press('End');
+  await page.keyboard.press('End'); // 64: the simulator redraws at once
   await page.waitForTimeout(4000);
-  await page.click('button:has-text("run it for real")');
-  await page.waitForTimeout(20000);
-  await page.screenshot({ path: '/tmp/explorer_after.png' });
   const text = await page.$eval('.widget-html-content', (el) => el.textContent);
-  console.log(text);
+  await page.screenshot({ path: '/tmp/explorer_middle.png' });
+  await sliders[1].focus();
+  await page.keyboard.press('Home'); // 1 micro-batch: small enough for a real CPU run
+  await page.waitForTimeout(3000);
+  await page.click('button:has-text("run it for real")');
+  await page.waitForTimeout(25000);
+  await page.screenshot({ path: '/tmp/explorer_after.png' });
+  // each shown picture must have ink on it: count its dark pixels (a blank figure has none)
+  const inks = await page.$$eval('.widget-image', (els) => els.filter((e) => e.offsetParent).map((e) => {
+    const canvas = document.createElement('canvas');
+    canvas.width = e.naturalWidth;
+    canvas.height = e.naturalHeight;
+    const context = canvas.getContext('2d');
+    context.drawImage(e, 0, 0);
+    const pixels = context.getImageData(0, 0, canvas.width, canvas.height).data;
+    let dark = 0;
+    for (let i = 0; i < pixels.length; i += 4) if (pixels[i] < 200) dark += 1;
+    return dark;
+  }));
+  console.log(text, '| dark pixels per picture:', inks.join(', '));
   await browser.close();
-  if (!text.includes('m=64')) process.exit(1);
+  if (!text.includes('m=64') || inks.length < 3 || Math.min(...inks) < 1000) process.exit(1);
 })().catch((error) => { console.error(error); process.exit(1); });
