@@ -82,7 +82,7 @@ def _png(fig) -> bytes:
     import matplotlib.pyplot as plt
 
     buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=90)
+    fig.savefig(buffer, format="png", dpi=80, pil_kwargs={"compress_level": 1})  # fast to encode: a slider waits on it
     plt.close(fig)
     return buffer.getvalue()
 
