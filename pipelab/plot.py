@@ -76,12 +76,14 @@ def _draw(ax, trace: Trace, scale: float, label_microbatches: bool = True) -> No
     # add_artist, not add_patch: the limits are set below, and add_patch would walk every rectangle
     ax.add_artist(PathPatch(_boxes(np.zeros_like(rows), np.full_like(rows, span), rows),
                             facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0))
+    # white separators between neighbouring actions, unless the bars are too thin for them to show
+    separator = 0.6 if len(trace.events) <= 64 * max(trace.n_devices, 1) else 0.0
     for kind in "FBW":
         chosen = [e for e in trace.events if e.kind == kind]
         if chosen:
             table = np.array([(e.start - origin, e.duration, e.device) for e in chosen], dtype=float)
             boxes = _boxes(table[:, 0] * scale, table[:, 1] * scale, table[:, 2])
-            ax.add_artist(PathPatch(boxes, facecolor=COLORS[kind], edgecolor="white", linewidth=0.6))
+            ax.add_artist(PathPatch(boxes, facecolor=COLORS[kind], edgecolor="white", linewidth=separator))
     if label_microbatches and span > 0:
         for e in trace.events:
             width = e.duration * scale
