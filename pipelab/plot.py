@@ -145,14 +145,15 @@ def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | N
     else:
         fig = ax.figure
     origin = min((e.start for e in trace.events), default=0.0)
-    scale, unit = _time_unit(trace.makespan, trace.source)
+    makespan = trace.makespan  # a property that walks every event: read it once
+    scale, unit = _time_unit(makespan, trace.source)
     peaks = trace.peak_memory
     curves: dict[int, list] = {}
     for sample in sorted((s for s in trace.memory if s.what == "activations"), key=lambda s: s.time):
         curves.setdefault(sample.device, []).append(sample)
     tops = []  # (x, y, colour) of each device's first peak
     for device, samples in sorted(curves.items()):
-        xs = [(s.time - origin) * scale for s in samples] + [trace.makespan * scale]
+        xs = [(s.time - origin) * scale for s in samples] + [makespan * scale]
         ys = [s.bytes / unit_bytes for s in samples] + [samples[-1].bytes / unit_bytes]
         line, = ax.step(xs, ys, where="post", label=f"device {device}: peak {peaks[device] / unit_bytes:.3g}")
         top = ys.index(max(ys))
