@@ -16,7 +16,6 @@ from typing import NamedTuple
 from .errors import ScheduleError
 
 KINDS = ("F", "B", "W")
-KIND_NAMES = {"F": "forward", "B": "backward", "W": "weight-gradient"}
 _ACTION_RE = re.compile(r"^(\d+)?([FBW])(\d+)$")
 
 
@@ -55,12 +54,6 @@ NEEDS = {"F": (("F", -1),), "B": (("F", 0), ("B", +1)), "W": (("B", 0),)}
 F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i).
 A need whose stage falls outside 0..p-1 does not exist (stage 0 has no F before it,
 the last stage no B after it)."""
-
-
-def dependencies(action: Action, n_stages: int) -> tuple[Action, ...]:
-    """The actions whose results `action` needs (see `NEEDS`)."""
-    kind, stage, mb = action
-    return tuple(Action(need, stage + offset, mb) for need, offset in NEEDS[kind] if 0 <= stage + offset < n_stages)
 
 
 @dataclass

@@ -211,14 +211,14 @@ def explain_stuck(schedule: Schedule, timing) -> None:
     for d in cycle:
         action, needed = timing.stuck[d]
         other = device_of[needed]
-        before = schedule.actions[other][timing_index(schedule, timing, other)]
+        before = schedule.actions[other][_first_unrun(schedule, timing, other)]
         waits.append(
             f"device {d} waits at {action} for {needed} from device {other}, which is still stuck at {before}"
         )
     raise ScheduleError("deadlock, a cycle of waits between devices: " + "; ".join(waits))
 
 
-def timing_index(schedule: Schedule, timing, device: int) -> int:
+def _first_unrun(schedule: Schedule, timing, device: int) -> int:
     """Position of the first action of `device` that never ran."""
     return next(i for i, a in enumerate(schedule.actions[device]) if a not in timing.end)
 
