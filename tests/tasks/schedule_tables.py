@@ -1,4 +1,4 @@
-"""Independent checks of schedule tables, shared by the tests of tasks 2.1 and 3.1.
+"""Independent schedule tables and checks of them, shared by the graded tests (tasks 2.1, 2.3, 3.1, 3.2).
 
 Written here, in the tests, so that grading never relies on pipelab's own schedules.
 """
@@ -83,3 +83,20 @@ def peak_inflight_of_row(row) -> int:
         held += 1 if kind == "F" else -1
         peak = max(peak, held)
     return peak
+
+
+def gpipe_table(p, m):
+    """GPipe written out by hand: all forwards, then all backwards (inputs for tasks 2.3 and 3.2)."""
+    return [[("F", s, i) for i in range(m)] + [("B", s, i) for i in range(m)] for s in range(p)]
+
+
+def one_f_one_b_table(p, m):
+    """1F1B written out by hand: warm-up min(p-s-1, m) forwards, steady (F, B) pairs, cool-down."""
+    table = []
+    for s in range(p):
+        warmup = min(p - s - 1, m)
+        row = [("F", s, i) for i in range(warmup)]
+        for k in range(m - warmup):
+            row += [("F", s, warmup + k), ("B", s, k)]
+        table.append(row + [("B", s, i) for i in range(m - warmup, m)])
+    return table

@@ -13,25 +13,12 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from schedule_tables import gpipe_table, one_f_one_b_table
+
 # Hypothesis's explain phase costs seconds per failing property, more than it tells here.
 PHASES = tuple(phase for phase in Phase if phase is not Phase.explain)
 
 pytestmark = pytest.mark.task2_3
-
-
-def gpipe_table(p, m):
-    return [[("F", s, i) for i in range(m)] + [("B", s, i) for i in range(m)] for s in range(p)]
-
-
-def one_f_one_b_table(p, m):
-    table = []
-    for s in range(p):
-        warmup = min(p - s - 1, m)
-        row = [("F", s, i) for i in range(warmup)]
-        for k in range(m - warmup):
-            row += [("F", s, warmup + k), ("B", s, k)]
-        table.append(row + [("B", s, i) for i in range(m - warmup, m)])
-    return table
 
 
 def inputs_of(action, n_stages):
