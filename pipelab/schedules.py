@@ -6,6 +6,9 @@ A schedule is data (see `pipelab.actions`): the generators below only build tabl
 
 from __future__ import annotations
 
+from itertools import chain
+from operator import itemgetter
+
 from .actions import KINDS, Action, Schedule
 from .errors import ScheduleError
 from .timing import run_dependencies
@@ -111,22 +114,23 @@ def _looks_valid(schedule: Schedule) -> bool:
     rows = schedule.actions
     if not all(isinstance(row, (list, tuple)) for row in rows):
         return False
-    flat = [a for row in rows for a in row]
+    flat = list(chain.from_iterable(rows))
     if not flat or set(map(type, flat)) != {Action}:
         return False
-    kinds, stages, microbatches = zip(*flat)
-    kind_set = set(kinds)
-    if not kind_set <= set(KINDS) or not kind_set >= {"F", "B"}:
+    kinds = set(map(itemgetter(0), flat))
+    if not kinds <= set(KINDS) or not kinds >= {"F", "B"}:
         return False
-    if min(stages) < 0 or max(stages) >= schedule.n_stages or min(microbatches) < 0:
-        return False
-    if max(microbatches) >= schedule.n_microbatches or len(set(flat)) != len(flat):
-        return False
-    stage_sets = [{a[1] for a in row} for row in rows]
-    if sum(len(stages) for stages in stage_sets) != len(set().union(*stage_sets)):
+    stages_per_row = [set(map(itemgetter(1), row)) for row in rows]
+    stages = set().union(*stages_per_row)
+    if sum(map(len, stages_per_row)) != len(stages):
         return False  # a stage on two devices
-    # no duplicates and everything in range: complete exactly when the count is right
-    return len(flat) == schedule.n_stages * schedule.n_microbatches * len(kind_set)
+    microbatches = set(map(itemgetter(2), flat))
+    if {type(n) for n in stages | microbatches} != {int}:
+        return False
+    if not stages <= set(range(schedule.n_stages)) or not microbatches <= set(range(schedule.n_microbatches)):
+        return False
+    # every entry in range and none repeated: complete exactly when the count is right
+    return len(set(flat)) == len(flat) == schedule.n_stages * schedule.n_microbatches * len(kinds)
 
 
 def _check_entries(schedule: Schedule) -> None:
@@ -140,6 +144,9 @@ def _check_entries(schedule: Schedule) -> None:
                 raise ScheduleError(f"{where}: {action!r} is not an Action (build one with Action('F', stage, mb))")
             if action.kind not in KINDS:
                 raise ScheduleError(f"{where}: unknown kind {action.kind!r}; kinds are F, B and W")
+            if type(action.stage) is not int or type(action.microbatch) is not int:
+                raise ScheduleError(f"{where}: {action!r} must name its stage and micro-batch with integers, "
+                                    f"got {action.stage!r} and {action.microbatch!r}")
             if not 0 <= action.stage < schedule.n_stages:
                 raise ScheduleError(
                     f"{where}: {action} names stage {action.stage}, but the schedule has "

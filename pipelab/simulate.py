@@ -18,7 +18,7 @@ from .costs import Costs
 from .memory import activation_samples, checkpoint_plan
 from .schedules import check_structure, explain_stuck
 from .timing import run_dependencies
-from .trace import Event, MemorySample, Trace
+from .trace import MemorySample, Trace
 
 
 def simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None = None,
@@ -51,30 +51,18 @@ def _simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None, 
         missing = [a for a in schedule.all_actions() if a not in costs]
         if missing:
             raise ValueError(f"the durations give no time for {missing[0]} ({len(missing)} actions missing)")
-        per_action = dict(costs)
-        costs = Costs()
-        duration = per_action.__getitem__
+        duration, costs = dict(costs).__getitem__, Costs()
     else:
         costs = Costs() if costs is None else costs
         if not isinstance(costs, Costs):
             raise TypeError(f"costs must be a pl.Costs or a dict of action durations, got {type(costs).__name__}")
-        seconds = {kind: [costs.per_stage(name, s, p) for s in range(p)]
-                   for kind, name in (("F", "forward"), ("B", "backward"), ("W", "weight"))}
-        seconds["B"] = [b + (f if again else 0.0) for b, f, again in zip(seconds["B"], seconds["F"], recompute)]
-
-        def duration(action: Action) -> float:
-            return seconds[action[0]][action[1]]
-
-    # A message crosses the boundary after stage min(sender, receiver): F(s-1)->F(s), B(s+1)->B(s).
-    message = [costs.message_seconds(s, p) for s in range(p)]
-    delay = (lambda sender, receiver: message[min(sender.stage, receiver.stage)]) if any(message) else None
-    timing = run_dependencies(schedule, duration, delay)
+        duration = {kind: [costs.per_stage(name, s, p) for s in range(p)]
+                    for kind, name in (("F", "forward"), ("B", "backward"), ("W", "weight"))}
+        duration["B"] = [b + (f if again else 0.0) for b, f, again in zip(duration["B"], duration["F"], recompute)]
+    # the link between stages b and b + 1 carries F(b)'s output and the gradient B(b + 1) sends back
+    timing = run_dependencies(schedule, duration, [costs.message_seconds(b, p) for b in range(p - 1)])
     explain_stuck(schedule, timing)  # a deadlock does not depend on the durations
-    device_of = schedule.device_of_stage()
-    # Build the events column by column (C-level loops: this is most of a large simulation's cost).
-    kinds, stages, microbatches = zip(*timing.order) if timing.order else ((), (), ())
-    devices = map(device_of.__getitem__, stages)
-    events = list(map(Event._make, zip(stages, kinds, microbatches, timing.starts, timing.ends, devices)))
+    events = timing.events
     full = [costs.per_stage("memory_bytes", s, p) for s in range(p)]
     inputs = [costs.per_stage("input_bytes", s, p) for s in range(p)]
     held = [inputs[s] if recompute[s] else full[s] for s in range(p)]

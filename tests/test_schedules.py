@@ -312,7 +312,7 @@ def test_gpipe_communication_delay_closed_form(p, m, t_f, t_b, d):
     # F(s, i) ends at (s + i + 1) t_F + s d, so the last forward ends at (m + p - 1) t_F + (p - 1) d;
     # the backwards mirror it: B(s, i) ends (i + p - s) t_B + (p - 1 - s) d after that.
     timing = run_dependencies(schedules.gpipe(p, m), lambda a: float(t_f if a.kind == "F" else t_b),
-                              delay=lambda a, b: float(d))
+                              links=[float(d)] * (p - 1))
     assert timing.makespan == (m + p - 1) * (t_f + t_b) + 2 * (p - 1) * d
 
 
@@ -322,7 +322,7 @@ def test_gpipe_communication_delay_closed_form(p, m, t_f, t_b, d):
 def test_one_f_one_b_communication_delay_lengthens_the_critical_path(p, m, t_f, t_b, d):
     dur = lambda a: float(t_f if a.kind == "F" else t_b)
     sched = schedules.one_f_one_b(p, m)
-    timing = run_dependencies(sched, dur, delay=lambda a, b: float(d))
+    timing = run_dependencies(sched, dur, links=[float(d)] * (p - 1))
     # micro-batch 0 goes down and back up the pipeline: p forwards, p backwards, 2(p-1) hops
     assert timing.makespan >= p * (t_f + t_b) + 2 * (p - 1) * d
     assert timing.makespan >= (m + p - 1) * (t_f + t_b)
@@ -333,12 +333,33 @@ def test_one_f_one_b_communication_delay_lengthens_the_critical_path(p, m, t_f, 
 def test_delay_is_only_paid_between_devices():
     # two stages on one device: nothing crosses a link, so the delay changes nothing
     row = [Action("F", 0, 0), Action("F", 1, 0), Action("B", 1, 0), Action("B", 0, 0)]
-    timing = run_dependencies(Schedule(2, 1, [row]), lambda a: 1.0, delay=lambda a, b: 100.0)
+    timing = run_dependencies(Schedule(2, 1, [row]), lambda a: 1.0, links=[100.0])
     assert timing.makespan == 4.0
-    # the delay function is asked about the (producer, consumer) pair
-    seen = []
-    run_dependencies(schedules.gpipe(2, 1), lambda a: 1.0, delay=lambda a, b: seen.append((str(Action(*a)), str(b))) or 0.0)
-    assert sorted(seen) == [("0F0", "1F0"), ("1B0", "0B0")]
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(GENERATORS)), p=st.integers(2, 6), m=st.integers(1, 8),
+       links=st.lists(st.integers(0, 4), min_size=5, max_size=5))
+def test_each_link_delays_the_messages_across_its_own_boundary(name, p, m, links):
+    # links[b] is paid by F(b) -> F(b+1) and B(b+1) -> B(b) only: compare with the naive sweep
+    dur = lambda a: 1.0 if a.kind == "F" else 2.0
+    sched = GENERATORS[name](p, m)
+    timing = run_dependencies(sched, dur, links=[float(x) for x in links[:p - 1]])
+    start, end = reference_times(sched, dur, delay=lambda a, b: float(links[min(a.stage, b.stage)]))
+    assert timing.start == start and timing.end == end
+
+
+def test_durations_per_stage_give_the_same_times_as_a_function():
+    sched = schedules.one_f_one_b(4, 6)
+    per_stage = {"F": [1.0, 2.0, 3.0, 4.0], "B": [2.0, 1.0, 5.0, 3.0]}
+    by_table = run_dependencies(sched, per_stage)
+    by_function = run_dependencies(sched, lambda a: per_stage[a.kind][a.stage])
+    assert by_table.events == by_function.events
+
+
+def test_links_must_give_one_time_per_boundary():
+    with pytest.raises(ValueError, match="one per boundary"):
+        run_dependencies(schedules.gpipe(4, 2), lambda a: 1.0, links=[1.0, 1.0])
 
 
 def test_run_dependencies_reports_who_is_stuck():
