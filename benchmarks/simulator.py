@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import pipelab as pl  # noqa: E402
-from pipelab.widgets import _png, explorer_figures, explorer_view  # noqa: E402
+from pipelab.widgets import explorer_pictures, explorer_view  # noqa: E402
 
 
 def throughput(repeats: int = 5) -> float:
@@ -45,9 +45,8 @@ def explorer_update(repeats: int = 10) -> None:
     timeline_only, with_memory = [], []
     for _ in range(repeats):
         begin = time.perf_counter()
-        figures = explorer_figures(explorer_view(16, 64, "1f1b"))
-        for k, fig in enumerate(figures):  # the timeline, then the memory panel, as PNG bytes like the widget
-            _png(fig)
+        # the timeline, then the memory panel, as PNG bytes: what the widget computes for a slider change
+        for k, _ in enumerate(explorer_pictures(explorer_view(16, 64, "1f1b"))):
             (timeline_only if k == 0 else with_memory).append(time.perf_counter() - begin)
     median = statistics.median(timeline_only)
     print(f"2. explorer update (simulate + draw the timeline, p=16 m=64): median {median * 1e3:.0f} ms over {repeats} "

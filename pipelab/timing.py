@@ -9,7 +9,7 @@ another device):
     end(a)   = start(a) + duration(a)
 
 The loop is event-driven: a device advances until its next action waits for a result
-not yet computed, then parks on that result; finishing an action wakes the device parked
+not yet computed, then parks on that result; finishing an action wakes the devices parked
 on it.  Every action is timed once, so the cost is O(actions).  If devices are still
 parked when nothing is left to wake them, the schedule deadlocks and `Timing.stuck` says
 who waits for what.  `validate`, `Schedule.to_text`, the simulator and the local engine's
@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import count
 from typing import Callable, Mapping, Sequence
 
 from .actions import KINDS, NEEDS, Action, Schedule
@@ -55,7 +56,7 @@ class Timing:
 
     def time_order(self) -> list[Action]:
         """`order` sorted by start time (ties keep dependency order): how a single host issues the work."""
-        return [a for _, _, a in sorted(zip((e.start for e in self.events), range(len(self.order)), self.order))]
+        return [a for _, _, a in sorted(zip((e.start for e in self.events), count(), self.order))]
 
 
 def _cross_stage_consumers() -> dict[str, int]:
@@ -66,7 +67,7 @@ def _cross_stage_consumers() -> dict[str, int]:
     consumer at most.
     """
     found: dict[str, int] = {}
-    for consumer_kind, needs in NEEDS.items():
+    for needs in NEEDS.values():
         for need, offset in needs:
             if offset:
                 if need in found:

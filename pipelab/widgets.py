@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from .costs import Costs
+from .gc_pause import gc_paused
 from .schedules import GENERATORS, by_name
 from .simulate import simulate
 from .trace import Trace
@@ -73,6 +74,18 @@ def explorer_figures(view: ExplorerView):
     budget = view.memory_budget
     yield plot.memory(view.trace, budget_bytes=budget * UNIT if budget else None, unit_bytes=UNIT,
                       unit_name="micro-batches")
+
+
+def explorer_pictures(view: ExplorerView):
+    """`explorer_figures` as PNG bytes, one at a time: exactly what a slider change computes."""
+    figures = explorer_figures(view)
+    while True:
+        with gc_paused(collect_young=True):  # see pipelab.gc_pause: a figure is a burst of allocations
+            fig = next(figures, None)
+            if fig is None:
+                return
+            png = _png(fig)
+        yield png
 
 
 def _png(fig) -> bytes:
@@ -147,8 +160,8 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
     def redraw(_=None):
         box.view = explorer_view(**{name: c.value for name, c in controls.items()})
         summary.value = f"<b>{box.view.summary}</b>"
-        for image, fig in zip((timeline_image, memory_image), explorer_figures(box.view)):
-            image.value = _png(fig)  # a picture of our own: no dependence on the notebook's plot backend
+        for image, png in zip((timeline_image, memory_image), explorer_pictures(box.view)):
+            image.value = png  # a picture of our own: no dependence on the notebook's plot backend
 
     def real(_=None):
         real_message.value = "<i>running the engine on the CPU…</i>"

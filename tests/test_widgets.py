@@ -60,3 +60,13 @@ def test_memory_panel_checkpointing_and_budget():
     assert "OUT OF MEMORY" in box.view.summary
     box.controls["schedule"].value = "1f1b"
     assert box.view.out_of_memory == []
+
+
+def test_pictures_are_pngs_that_follow_the_sliders():
+    box = explorer(n_devices=2, n_microbatches=2)
+    timeline, memory = box.children[4], box.children[5]
+    before = bytes(timeline.value)
+    assert before.startswith(b"\x89PNG") and bytes(memory.value).startswith(b"\x89PNG")
+    box.controls["n_devices"].value = 6
+    after = bytes(timeline.value)
+    assert after.startswith(b"\x89PNG") and after != before
