@@ -168,7 +168,10 @@ def run_dependencies(schedule: Schedule, duration: Duration, links: Sequence[flo
         link = clocks.per_slot(_link_per_producer(schedule, links))
     events: list[Event] = []
     record, new_event = events.append, tuple.__new__  # hot loop: new_event(Event, fields) runs no Python code
-    parked_on: dict[int, list[int]] = {}  # slot -> the devices waiting for it
+    # slot -> the device parked on it.  One is enough: a result is awaited by one action on another
+    # stage (_CONSUMER_OFFSET) and by actions of its own stage, which run on its own device; that
+    # device can wait for it only if it comes later in its own list, a deadlock that wakes no one.
+    parked_on: list[int | None] = [None] * len(seconds)
     waits_for: dict[int, int] = {}  # device -> the slot it waits for
     next_index = [0] * len(rows)
     device_free = [0.0] * len(rows)
@@ -191,7 +194,7 @@ def run_dependencies(schedule: Schedule, duration: Duration, links: Sequence[flo
                 missing = slot + step_a if times[slot + step_a] == INF else slot + step_b
                 if missing >= to_arrival:  # an arrival: wait for the action that sends it
                     missing -= to_arrival
-                parked_on.setdefault(missing, []).append(device)
+                parked_on[missing] = device
                 waits_for[device] = missing
                 break
             if ready_at > ready:
@@ -202,8 +205,8 @@ def run_dependencies(schedule: Schedule, duration: Duration, links: Sequence[flo
                 times[slot + to_arrival] = ready_at + link[slot]
             record(new_event(Event, (stage, kind, mb, ready, ready_at, device)))
             index += 1
-            if slot in parked_on:
-                runnable.extend(parked_on.pop(slot))
+            if parked_on[slot] is not None:
+                runnable.append(parked_on[slot])
         next_index[device], device_free[device] = index, ready_at
 
     stuck = {device: (rows[device][next_index[device]], clocks.action_at(slot))

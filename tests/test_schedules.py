@@ -367,3 +367,26 @@ def test_run_dependencies_reports_who_is_stuck():
     timing = run_dependencies(sched, lambda a: 1.0)
     assert timing.stuck == {0: (Action("B", 0, 0), Action("F", 0, 0)), 1: (Action("F", 1, 0), Action("F", 0, 0))}
     assert timing.order == []
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.sampled_from(sorted(GENERATORS)), p=st.integers(1, 5), m=st.integers(1, 5),
+       two_per_device=st.booleans(), data=st.data())
+def test_shuffled_rows_run_exactly_as_far_as_the_naive_sweep(name, p, m, two_per_device, data):
+    # Shuffled lists mostly deadlock, often with several devices waiting on one result:
+    # the loop must time the same actions as the sweep and report every device left waiting.
+    sched = GENERATORS[name](p, m)
+    rows = sched.actions
+    if two_per_device and p > 1:  # stages 2d and 2d+1 share device d
+        rows = [rows[d] + rows[d + 1] if d + 1 < p else rows[d] for d in range(0, p, 2)]
+    rows = [data.draw(st.permutations(row)) for row in rows]
+    shuffled = Schedule(p, m, [list(row) for row in rows])
+    dur = lambda a: 1.0 if a.kind == "F" else 2.0
+    timing = run_dependencies(shuffled, dur)
+    start, end = reference_times(shuffled, dur)
+    assert timing.start == start and timing.end == end
+    unfinished = {d for d, row in enumerate(shuffled.actions) if any(a not in end for a in row)}
+    assert set(timing.stuck) == unfinished
+    for device, (action, needed) in timing.stuck.items():
+        assert action == next(a for a in shuffled.actions[device] if a not in end)
+        assert needed not in end and needed in needs(action, p)
