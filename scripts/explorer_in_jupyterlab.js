@@ -1,7 +1,7 @@
 // Optional check that the explorer widget renders and responds inside a real JupyterLab.
 // Not part of `make test` (it needs a browser).  On Debian/Ubuntu, from the repository root:
 //   apt-get install chromium && (cd /tmp && npm install playwright-core)
-//   mkdir -p /tmp/labcheck && .venv/bin/python -c "import nbformat as n; nb = n.v4.new_notebook(cells=[n.v4.new_code_cell('import pipelab as pl\npl.widgets.explorer()')]); n.write(nb, '/tmp/labcheck/explorer_check.ipynb')"
+//   mkdir -p /tmp/labcheck && .venv/bin/python -c "import nbformat as n; nb = n.v4.new_notebook(cells=[n.v4.new_code_cell('import pipelab as pl\npl.widgets.explorer()')], metadata={'kernelspec': {'name': 'python3', 'display_name': 'Python 3', 'language': 'python'}}); n.write(nb, '/tmp/labcheck/explorer_check.ipynb')"
 //   .venv/bin/python -m jupyterlab --no-browser --allow-root --port 8898 --IdentityProvider.token=abc --ServerApp.root_dir=/tmp/labcheck &
 //   NODE_PATH=/tmp/node_modules node scripts/explorer_in_jupyterlab.js
 // It runs the cell, moves the micro-batches slider to 64 (the timeline and memory redraw), then to 1
