@@ -25,6 +25,16 @@ NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
 IDLE = "#EEEEEE"
 
 
+def distinct_colors(n: int) -> list:
+    """n colours, no two alike: tab10 up to 10, tab20 up to 20, then evenly spaced on viridis
+    (matplotlib's default cycle repeats after 10, so device 10 would look like device 0)."""
+    if n <= 10:
+        return [plt.get_cmap("tab10")(k) for k in range(n)]
+    if n <= 20:
+        return [plt.get_cmap("tab20")(k) for k in range(n)]
+    return [plt.get_cmap("viridis")(k / (n - 1)) for k in range(n)]
+
+
 def _time_unit(span: float, source: str) -> tuple[float, str]:
     if source == "simulated" and span >= 1:
         return 1.0, "time (cost-model units)"
@@ -152,10 +162,12 @@ def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | N
     for sample in sorted((s for s in trace.memory if s.what == "activations"), key=lambda s: s.time):
         curves.setdefault(sample.device, []).append(sample)
     tops = []  # (x, y, colour) of each device's first peak
+    colors = distinct_colors(trace.n_devices)
     for device, samples in sorted(curves.items()):
         xs = [(s.time - origin) * scale for s in samples] + [makespan * scale]
         ys = [s.bytes / unit_bytes for s in samples] + [samples[-1].bytes / unit_bytes]
-        line, = ax.step(xs, ys, where="post", label=f"device {device}: peak {peaks[device] / unit_bytes:.3g}")
+        line, = ax.step(xs, ys, where="post", color=colors[device],
+                        label=f"device {device}: peak {peaks[device] / unit_bytes:.3g}")
         top = ys.index(max(ys))
         tops.append((xs[top], ys[top], line.get_color()))
     if tops:
@@ -196,10 +208,10 @@ def partition(parts, ax=None, title: str | None = None):
         fig, ax = plt.subplots(figsize=(10, 3.2))
     else:
         fig = ax.figure
-    cmap = plt.get_cmap("tab10")
     totals = parts.stage_costs
+    colors = distinct_colors(len(parts.bounds))
     for s, (a, b) in enumerate(parts.bounds):
-        ax.bar(range(a, b), parts.block_costs[a:b], color=cmap(s % 10), edgecolor="white",
+        ax.bar(range(a, b), parts.block_costs[a:b], color=colors[s], edgecolor="white",
                label=f"stage {s}: blocks {a}..{b - 1}, cost {totals[s]:.3g}")
     unit = {"uniform": "blocks", "params": "parameters", "time": "seconds (forward + backward)"}[parts.method]
     ax.set_xlabel("block")

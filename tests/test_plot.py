@@ -96,3 +96,15 @@ def test_memory_plot_side_by_side_and_budget():
     assert "out of memory on device(s) [0]" in right.get_title()  # device 0 peaks at 100 bytes > 60
     assert any(line.get_linestyle() == "--" for line in right.get_lines())
     assert "out of memory" not in pl.plot.memory(measured, budget_bytes=1000).axes[0].get_title()
+
+
+@pytest.mark.parametrize("n", [1, 4, 10, 11, 16, 20, 21, 64])
+def test_distinct_colors_never_repeat(n):
+    colors = pl.plot.distinct_colors(n)
+    assert len(colors) == n and len(set(colors)) == n
+
+
+def test_memory_plot_gives_sixteen_devices_sixteen_colours():
+    trace = pl.simulate(pl.schedules.one_f_one_b(16, 32), pl.Costs(memory_bytes=1.0))
+    lines = pl.plot.memory(trace).axes[0].get_lines()
+    assert len(lines) == 16 and len({line.get_color() for line in lines}) == 16
