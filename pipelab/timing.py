@@ -135,8 +135,6 @@ class _Clocks:
 def _link_per_producer(schedule: Schedule, links: Sequence[float]) -> dict[str, list[float]]:
     """kind -> per stage s: seconds from the end of (kind, s) until its consumer on the next stage has it."""
     p = schedule.n_stages
-    if len(links) != max(p - 1, 0):
-        raise ValueError(f"links gives {len(links)} times for {p} stages; give one per boundary ({max(p - 1, 0)})")
     device_of = schedule.device_of_stage()
     per_kind = {}
     for kind, offset in _CONSUMER_OFFSET.items():
@@ -155,6 +153,8 @@ def run_dependencies(schedule: Schedule, duration: Duration, links: Sequence[flo
     (`pipelab.schedules.check_structure`): every stage and micro-batch in range.
     """
     rows, p, m = schedule.actions, schedule.n_stages, schedule.n_microbatches
+    if links is not None and len(links) != max(p - 1, 0):
+        raise ValueError(f"links gives {len(links)} times for {p} stages; give one per boundary ({max(p - 1, 0)})")
     linked = links is not None and any(links)
     clocks = _Clocks(schedule, linked)
     times, layout, to_arrival = clocks.times, clocks.layout, clocks.to_arrival

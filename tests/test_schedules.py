@@ -358,8 +358,9 @@ def test_durations_per_stage_give_the_same_times_as_a_function():
 
 
 def test_links_must_give_one_time_per_boundary():
-    with pytest.raises(ValueError, match="one per boundary"):
-        run_dependencies(schedules.gpipe(4, 2), lambda a: 1.0, links=[1.0, 1.0])
+    for links in ([1.0, 1.0], [0.0, 0.0]):
+        with pytest.raises(ValueError, match="one per boundary"):
+            run_dependencies(schedules.gpipe(4, 2), lambda a: 1.0, links=links)
 
 
 def test_run_dependencies_reports_who_is_stuck():
