@@ -15,14 +15,16 @@ from .costs import Costs
 from .partition import Partition, split
 from .reference import max_gradient_difference, single_device_gradients
 from .runtime.local import Pipeline, StepResult
+from .runtime.distributed import DistributedPipeline
+from .runtime.processes import DistributedError
 from .simulate import simulate
-from .trace import Event, MemorySample, Trace
+from .trace import Event, MemorySample, Message, Trace, Wait
 
 __version__ = "0.1.0"
 
 
 def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked for
-    if name in ("plot", "widgets"):
+    if name in ("plot", "widgets", "distributed"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
@@ -30,6 +32,6 @@ def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked
 
 
 __all__ = [
-    "Action", "Costs", "Event", "simulate", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
+    "Action", "Costs", "DistributedError", "DistributedPipeline", "Event", "Message", "Wait", "distributed", "simulate", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
     "StepResult", "Trace", "microbatch", "models", "plot", "schedules", "split",
 ]

@@ -23,6 +23,8 @@ from .trace import Trace
 COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
 IDLE = "#EEEEEE"
+WAIT = "#555555"  # waiting for a message (distributed engine)
+MESSAGE = "#B03060"  # an activation or gradient in flight
 
 
 def distinct_colors(n: int) -> list:
@@ -63,7 +65,7 @@ def timeline(trace: Trace, ax=None, title: str | None = None, label_microbatches
     _draw(ax, trace, scale, label_microbatches)
     ax.set_xlim(0, span if span > 0 else 1)
     ax.set_xlabel(unit)
-    _legend(ax, trace.events, trace.n_devices)
+    _legend(ax, trace.events, trace.n_devices, bool(trace.waits or trace.messages))
     if title is None:
         title = (f"{trace.schedule_name}: p={trace.n_stages} stages, m={trace.n_microbatches} micro-batches — "
                  f"{trace.source_label}\nbubble {trace.bubble_fraction:.1%} of {trace.n_devices} devices x "
@@ -100,10 +102,29 @@ def _draw(ax, trace: Trace, scale: float, label_microbatches: bool = True) -> No
             if width / span > 0.012:
                 ax.text((e.start - origin) * scale + width / 2, e.device, str(e.microbatch), ha="center",
                         va="center", fontsize=8 if width / span > 0.025 else 6, color="white")
+    _draw_communication(ax, trace, origin, scale)
     ax.set_xlim(0, span if span > 0 else 1)
     ax.set_ylim(trace.n_devices - 0.5, -0.5)  # device 0 on top
     ax.set_yticks(range(trace.n_devices))
     ax.set_yticklabels([_device_label(trace, d) for d in range(trace.n_devices)])
+
+
+def _draw_communication(ax, trace: Trace, origin: float, scale: float) -> None:
+    """Waits for a message as dark bars in the lower part of a row; each message as a thin arrow."""
+    if trace.waits:
+        table = np.array([(w.start - origin, w.end - w.start, w.device) for w in trace.waits], dtype=float)
+        corners = np.empty((len(table), 4, 2))
+        corners[:, [0, 3], 0] = (table[:, 0] * scale)[:, None]
+        corners[:, [1, 2], 0] = ((table[:, 0] + table[:, 1]) * scale)[:, None]
+        corners[:, [0, 1], 1] = (table[:, 2] + 0.25)[:, None]
+        corners[:, [2, 3], 1] = (table[:, 2] + 0.4)[:, None]
+        ax.add_artist(PathPatch(Path.make_compound_path_from_polys(corners), facecolor=WAIT, linewidth=0))
+    if trace.messages and len(trace.messages) <= 256:
+        from matplotlib.collections import LineCollection
+
+        segments = [[((m.sent - origin) * scale, m.source_device), ((m.received - origin) * scale, m.target_device)]
+                    for m in trace.messages]
+        ax.add_collection(LineCollection(segments, colors=MESSAGE, linewidths=0.8, alpha=0.8), autolim=False)
 
 
 def _boxes(lefts: np.ndarray, widths: np.ndarray, rows: np.ndarray) -> Path:
@@ -116,10 +137,13 @@ def _boxes(lefts: np.ndarray, widths: np.ndarray, rows: np.ndarray) -> Path:
     return Path.make_compound_path_from_polys(corners)
 
 
-def _legend(ax, events, n_rows: int) -> None:
+def _legend(ax, events, n_rows: int, communication: bool = False) -> None:
     kinds = sorted({e.kind for e in events}, key="FBW".index)
     handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in kinds]
     handles.append(Patch(facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", label="idle (bubble)"))
+    if communication:
+        handles.append(Patch(color=WAIT, label="waiting for a message"))
+        handles.append(Patch(color=MESSAGE, label="message (line: sent -> received)"))
     height = ax.figure.get_figheight() * ax.get_position().height  # inches of the axes
     ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.45 / max(height, 0.5)),
               ncol=len(handles), frameon=False, fontsize=8)
@@ -240,7 +264,8 @@ def compare(predicted: Trace, measured: Trace, labels: tuple[str, str] = ("predi
                      f"{unit.split('(')[1].rstrip(')')}, bubble {trace.bubble_fraction:.1%}", fontsize=10)
     axes[0].set_xlim(0, max(predicted.makespan, measured.makespan) * scale)
     axes[-1].set_xlabel(unit)
-    _legend(axes[-1], predicted.events + measured.events, n_rows=measured.n_devices)
+    _legend(axes[-1], predicted.events + measured.events, n_rows=measured.n_devices,
+            communication=bool(measured.waits or measured.messages))
     fig.tight_layout()
     return fig
 

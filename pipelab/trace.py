@@ -5,7 +5,8 @@ Trace, so metrics, plots and exports are written once.  `source` says where the 
 came from:
 
 - "simulated": a cost model (`pl.simulate`);
-- "measured": wall clock, one device per stage (CUDA events, or one process per rank);
+- "measured": wall clock, one device per stage (CUDA events, or one process per rank;
+  then `n_processes` says how many, and `waits` and `messages` show the communication);
 - "replayed": every op really ran and was timed, but several stages shared one device
   (all of them on a CPU), so the measured durations are replayed on one virtual clock
   per stage: the timeline the step would have with one device per stage.
@@ -51,6 +52,30 @@ class MemorySample(NamedTuple):
     what: str = "activations"  # or "allocated" (torch.cuda.memory_allocated)
 
 
+class Wait(NamedTuple):
+    """A device idle because its next action's message had not arrived (distributed engine)."""
+
+    device: int
+    start: float
+    end: float
+    action: Action  # the action that waited
+
+
+class Message(NamedTuple):
+    """An activation or a gradient travelling between devices (distributed engine).
+
+    `sent`: when the sender posted it (right after computing it); `received`: when the
+    receiving action had it in hand (the end of its wait; if it arrived earlier, the
+    moment the receiver asked for it).
+    """
+
+    source_device: int
+    target_device: int
+    sent: float
+    received: float
+    action: Action  # the action that produced it: 1F3 is an activation, 2B3 a gradient
+
+
 @dataclass
 class Trace:
     events: list[Event]
@@ -61,6 +86,9 @@ class Trace:
     n_devices: int
     schedule_name: str = "custom"
     device_names: list[str] = field(default_factory=list)
+    waits: list[Wait] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    n_processes: int = 1
 
     def __post_init__(self) -> None:
         if self.source not in SOURCE_LABELS:
@@ -68,6 +96,8 @@ class Trace:
 
     @property
     def source_label(self) -> str:
+        if self.source == "measured" and self.n_processes > 1:
+            return f"measured (wall clock, {self.n_processes} processes)"
         return SOURCE_LABELS[self.source]
 
     @property
@@ -166,6 +196,14 @@ class Trace:
                 "ts": (e.start - origin) * 1e6, "dur": e.duration * 1e6,
                 "args": {"stage": e.stage, "microbatch": e.microbatch, "action": str(e.action)},
             })
+        for w in self.waits:
+            records.append({"name": f"wait for {w.action}", "cat": "wait", "ph": "X", "pid": 0, "tid": w.device,
+                            "ts": (w.start - origin) * 1e6, "dur": (w.end - w.start) * 1e6})
+        for k, m in enumerate(self.messages):  # flow arrows from the sender's track to the receiver's
+            common = {"name": f"message {m.action}", "cat": "message", "pid": 0, "id": k}
+            records.append({**common, "ph": "s", "tid": m.source_device, "ts": (m.sent - origin) * 1e6})
+            records.append({**common, "ph": "f", "bp": "e", "tid": m.target_device,
+                            "ts": (m.received - origin) * 1e6})
         for s in sorted(self.memory, key=lambda s: s.time):
             records.append({"name": f"{s.what} bytes, device {s.device}", "ph": "C", "pid": 0,
                             "ts": (s.time - origin) * 1e6, "args": {"bytes": s.bytes}})

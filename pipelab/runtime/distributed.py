@@ -1,0 +1,227 @@
+"""The distributed engine: one process per device, talking point to point with `torch.distributed`.
+
+Every rank builds the same full model (from its seed), keeps only the blocks of its own
+stage(s) and frees the others (moved to the "meta" device: their names stay in the model,
+their memory goes), then runs the *same* `Schedule` as the local engine.  Rank d runs
+device d's list, `schedule.actions[d]`, through the loop both engines share
+(`runtime/loop.py`); only the transport differs: here activations and gradients travel
+with `dist.isend` / `dist.irecv` (`runtime/p2p.py`).
+
+Timing is the wall clock of each rank, put on rank 0's clock by the offset
+`clock_sync.estimate_offset` measured when the pipeline is created.  At the end of each
+step the ranks exchange what they recorded (one `all_gather` of a small float64 table:
+each action's start and end, its wait for a message, when it sent its result, the bytes
+it kept, and the last stage's micro-batch losses), so **every rank returns the same
+complete Trace and the same loss**.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import microbatch
+from ..actions import Action, Schedule
+from ..errors import PipelineError
+from ..memory import activation_samples, checkpoint_plan
+from ..partition import Partition, split
+from ..schedules import by_name, validate
+from ..trace import Event, Message, Trace, Wait
+from .clock import ActionClock
+from .clock_sync import estimate_offset
+from .local import StepResult, check_loss_fn, check_microbatch_count
+from .loop import StageWorker, producer, run_actions
+from .p2p import PointToPointTransport
+
+COLUMNS = ("start", "end", "wait_start", "wait_end", "sent", "saved_bytes", "recomputed_bytes", "loss")
+
+
+class DistributedPipeline:
+    """Pipeline-parallel training with one rank per device, inside an initialised process group.
+
+    Create it on every rank with the same arguments (under `torchrun`, or in a function
+    given to `pl.distributed.launch`).  Rank d runs device d of the schedule: for
+    "gpipe" and "1f1b" that is stage d, so n_stages = the group's size.
+
+    Args:
+        model: the full `nn.Sequential` of blocks, built identically on every rank (same seed).
+            The blocks of other ranks' stages are moved to the "meta" device (freed); this
+            rank's blocks stay and receive the gradients, under their names in `model`.
+        n_microbatches: m.
+        schedule: "gpipe", "1f1b" or a `Schedule` whose number of devices is the group's size.
+        loss_fn: loss(output, target) returning the mean over a micro-batch.
+        device: None picks cuda:LOCAL_RANK with NCCL, else the CPU.
+        group: the process group of the pipeline (default: the whole world).
+        checkpoint: activation checkpointing per stage, as in `pl.Pipeline`.
+        split_method: "uniform", "params", or a ready `Partition` (the same on every rank).
+        threads: intra-op threads for this process on a CPU (default 1, so that ranks sharing
+            a machine's cores really run in parallel); None leaves PyTorch's setting.
+    """
+
+    def __init__(self, model: nn.Module, n_microbatches: int, schedule: str | Schedule = "1f1b",
+                 loss_fn: Callable | None = None, device: Any = None, group=None,
+                 checkpoint: str | list[bool] = "never", split_method: str | Partition = "uniform",
+                 threads: int | None = 1):
+        if not (dist.is_available() and dist.is_initialized()):
+            raise PipelineError("DistributedPipeline runs inside a process group: start it with torchrun "
+                                "(torchrun --nproc-per-node 2 -m pipelab.launch ...) or pl.distributed.launch(fn, 2)")
+        # every check below needs no communication, so a bad launch fails the same way on every rank
+        check_loss_fn(loss_fn)
+        check_microbatch_count(n_microbatches)
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.backend = dist.get_backend(self.group)
+        self.model, self.loss_fn, self.n_microbatches = model, loss_fn, n_microbatches
+        self.schedule = self._resolve_schedule(schedule)
+        self.n_stages = self.schedule.n_stages
+        if isinstance(split_method, str) and split_method == "time":
+            raise PipelineError("split_method='time' would measure different times on every rank; split once with "
+                                "pl.split(model, n, 'time', sample) where you can, and pass its bounds as a Partition")
+        self.partition = split_method if isinstance(split_method, Partition) else split(model, self.n_stages, split_method)
+        if len(self.partition) != self.n_stages:
+            raise PipelineError(f"the partition has {len(self.partition)} stages, the schedule {self.n_stages}")
+        self.checkpoint = checkpoint_plan(checkpoint, self.n_stages)
+        self.device = self._resolve_device(device)
+        if threads is not None and self.device.type == "cpu":
+            torch.set_num_threads(threads)
+
+        device_of_stage = self.schedule.device_of_stage()
+        self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
+        for s, stage in enumerate(self.partition.stages):
+            stage.to(self.device if s in self.stages else "meta")  # "meta": the other ranks' blocks are freed
+        self.workers = {s: StageWorker(s, self.partition.stages[s], self.partition.bounds[s], self.n_stages, loss_fn,
+                                       self.checkpoint[s], self.device, rank=self.rank) for s in self.stages}
+        self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
+        self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
+
+    def _resolve_schedule(self, schedule) -> Schedule:
+        if isinstance(schedule, str):
+            schedule = by_name(schedule, self.world_size, self.n_microbatches)
+        if not isinstance(schedule, Schedule):
+            raise TypeError(f"schedule must be a name or a pipelab Schedule, got {type(schedule).__name__}")
+        if schedule.n_devices != self.world_size:
+            raise PipelineError(f"the schedule has {schedule.n_devices} devices but the process group has "
+                                f"{self.world_size} ranks; start one rank per device (--nproc-per-node "
+                                f"{schedule.n_devices})")
+        if schedule.n_microbatches != self.n_microbatches:
+            raise PipelineError(f"the schedule is for {schedule.n_microbatches} micro-batches, but "
+                                f"n_microbatches={self.n_microbatches}")
+        validate(schedule)
+        if any(a.kind == "W" for a in schedule.all_actions()):
+            raise PipelineError("this schedule splits the backward into B and W; the engine runs whole backwards only")
+        return schedule
+
+    def _resolve_device(self, device) -> torch.device:
+        if device is None:
+            if self.backend == "nccl":
+                return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+            return torch.device("cpu")
+        device = torch.device(device)
+        if device.type == "cuda":
+            if self.backend != "nccl":
+                raise PipelineError(f"device {device} needs the NCCL backend; this group uses {self.backend}")
+            torch.cuda.set_device(device)
+        elif self.backend == "nccl":
+            raise PipelineError("the NCCL backend moves CUDA tensors only; use gloo for device='cpu'")
+        return device
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (give them to the optimizer)."""
+        return [p for s in self.stages for p in self.workers[s].parameters]
+
+    def step(self, inputs: Any, targets: Any) -> StepResult:
+        """One training step; call it on every rank with the same whole batch.
+
+        Gradients of the mean loss over the batch are *added* to this rank's parameters'
+        `.grad` (the other blocks' `.grad` stay None).  Returns the same `loss` and the
+        same complete `trace` ("measured", one row per rank) on every rank;
+        `wall_seconds` is this rank's time for the step.
+        """
+        total = microbatch.batch_size(inputs)
+        if microbatch.batch_size(targets) != total:
+            raise ValueError(f"inputs hold {total} samples but targets hold {microbatch.batch_size(targets)}")
+        input_chunks = microbatch.split(inputs, self.n_microbatches)
+        target_chunks = microbatch.split(targets, self.n_microbatches)
+        weights = [size / total for size in microbatch.sizes(total, self.n_microbatches)]
+        for worker in self.workers.values():
+            worker.start_step(input_chunks, target_chunks, weights)
+        self.transport.start_step([_signature(chunk) for chunk in input_chunks])
+        clock = ActionClock([self.device])
+
+        step_begin = time.perf_counter()
+        run_actions(self.schedule.actions[self.rank], self.workers, self.transport, clock)
+        self.transport.finish()
+        table = self._exchange(self._record(clock))
+        wall_seconds = time.perf_counter() - step_begin
+
+        trace, losses = self._trace(table)
+        loss = sum(w * l for w, l in zip(weights, losses))
+        return StepResult(loss, trace, losses, wall_seconds, sum(trace.durations().values()))
+
+    def _record(self, clock: ActionClock) -> torch.Tensor:
+        """This rank's row of the step table: one line per action, the COLUMNS, times on rank 0's clock."""
+        intervals, waits, sent = clock.intervals(), self.transport.waits, self.transport.sent_at
+        offset = self.clock_offset
+        row = self.schedule.actions[self.rank]
+        table = torch.full((max(map(len, self.schedule.actions)), len(COLUMNS)), math.nan, dtype=torch.float64)
+        for k, action in enumerate(row):
+            worker = self.workers[action.stage]
+            start, end = intervals[action]
+            wait = waits.get(action, (math.nan, math.nan))
+            i = action.microbatch
+            loss = worker.losses[i] if action.kind == "F" and worker.is_last else math.nan
+            table[k] = torch.tensor([start + offset, end + offset, wait[0] + offset, wait[1] + offset,
+                                     sent.get(action, math.nan) + offset,
+                                     worker.saved_bytes[i] if action.kind == "F" else math.nan,
+                                     worker.recomputed_bytes.get(i, 0) if action.kind == "B" else math.nan,
+                                     float(loss)], dtype=torch.float64)
+        return table
+
+    def _exchange(self, table: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's table, on every rank (one all_gather)."""
+        local = table.to(self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        return [t.cpu() for t in gathered]
+
+    def _trace(self, tables: list[torch.Tensor]) -> tuple[Trace, list[float]]:
+        rows = self.schedule.actions
+        values = {a: tables[d][k].tolist() for d, row in enumerate(rows) for k, a in enumerate(row)}
+        device_of = {a: d for d, row in enumerate(rows) for a in row}
+        origin = min(v[0] for v in values.values())
+        events, waits, messages = [], [], []
+        for action, (start, end, wait_start, wait_end, *_rest) in values.items():
+            device = device_of[action]
+            events.append(Event(action.stage, action.kind, action.microbatch, start - origin, end - origin, device))
+            if not math.isnan(wait_start):
+                waits.append(Wait(device, wait_start - origin, wait_end - origin, action))
+                source = producer(action, self.n_stages)
+                messages.append(Message(device_of[source], device, values[source][4] - origin, wait_end - origin, source))
+        events.sort(key=lambda e: (e.start, e.device))
+        column = {name: k for k, name in enumerate(COLUMNS)}
+        memory = activation_samples(
+            events, lambda s, i: values[Action("F", s, i)][column["saved_bytes"]],
+            lambda s, i: values[Action("B", s, i)][column["recomputed_bytes"]], self.schedule.n_devices)
+        last = self.n_stages - 1
+        losses = [values[Action("F", last, i)][column["loss"]] for i in range(self.n_microbatches)]
+        names = [f"rank {d} ({self.device.type})" for d in range(self.world_size)]
+        trace = Trace(events, memory, "measured", self.n_stages, self.n_microbatches, self.schedule.n_devices,
+                      self.schedule.name, names, waits, messages, n_processes=self.world_size)
+        return trace, losses
+
+
+def _signature(batch: Any) -> tuple:
+    """The shapes and dtypes of a micro-batch's tensors: what an activation's shape may depend on."""
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape), str(batch.dtype))
+    if isinstance(batch, dict):
+        return tuple((k, _signature(v)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        return tuple(_signature(v) for v in batch)
+    return (type(batch).__name__,)

@@ -1,0 +1,169 @@
+"""The loop every engine runs, and the work of one stage inside it.
+
+For each action in a device's list, in order:
+
+    message = transport.receive(action)    # F: the activation from stage s-1; B: the gradient from s+1
+    clock.begin(action); out = worker.compute(action, message); clock.end(action)
+    transport.send(action, out)            # F: to stage s+1; B: to stage s-1 (nothing at the ends)
+
+The local engine (`runtime/local.py`) and the distributed engine (`runtime/distributed.py`)
+both call `run_actions`; they differ only in the transport: an in-process copy
+(`InProcessTransport`, below) or `torch.distributed` point-to-point (`runtime/p2p.py`).
+`StageWorker.compute` is the per-stage work of `runtime/stage.py` (forward, backward,
+checkpointing, loss weighting n_i / N, saved-bytes counting), the same in both engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+
+from ..actions import Action
+from ..errors import PipelineError
+from . import stage as stage_ops
+
+
+def producer(action: Action, n_stages: int) -> Action | None:
+    """The action on a neighbouring stage whose result `action` needs (DESIGN.md), or None.
+
+    F(s, i) needs the activation of F(s-1, i); B(s, i) the gradient of B(s+1, i).
+    """
+    s, i = action.stage, action.microbatch
+    if action.kind == "F" and s > 0:
+        return Action("F", s - 1, i)
+    if action.kind == "B" and s < n_stages - 1:
+        return Action("B", s + 1, i)
+    return None
+
+
+def consumer_stage(action: Action, n_stages: int) -> int | None:
+    """The stage that receives what `action` produces, or None (stage 0's B, the last stage's F)."""
+    s = action.stage
+    if action.kind == "F" and s < n_stages - 1:
+        return s + 1
+    if action.kind == "B" and s > 0:
+        return s - 1
+    return None
+
+
+class StageWorker:
+    """One stage's modules and what it keeps during a step; `compute` does one action's work."""
+
+    def __init__(self, index: int, module: nn.Module, bounds: tuple[int, int], n_stages: int, loss_fn: Callable,
+                 checkpoint: bool, device: torch.device, rank: int | None = None):
+        self.index, self.module, self.bounds, self.n_stages = index, module, bounds, n_stages
+        self.loss_fn, self.checkpoint, self.device, self.rank = loss_fn, checkpoint, device, rank
+        self.parameters = list(module.parameters())
+        self.is_first, self.is_last = index == 0, index == n_stages - 1
+
+    def start_step(self, input_chunks: list, target_chunks: list, weights: list[float]) -> None:
+        """Take this step's micro-batches (used by the first stage) and targets (by the last)."""
+        self.inputs, self.targets, self.weights = input_chunks, target_chunks, weights
+        self.kept: dict[int, stage_ops.InFlight] = {}
+        self.saved_bytes: dict[int, int] = {}  # mb -> bytes held from F to B
+        self.recomputed_bytes: dict[int, int] = {}  # mb -> bytes held during B only (checkpointed)
+        self.losses: dict[int, torch.Tensor] = {}  # mb -> unweighted loss (last stage)
+
+    def compute(self, action: Action, message: Any) -> torch.Tensor | None:
+        """Run `action` on `message` (None where there is nothing to receive); return what to send on."""
+        try:
+            return self._compute(action, message)
+        except PipelineError:
+            raise
+        except Exception as error:
+            raise PipelineError(self.explain(action, message, error)) from error
+
+    def _compute(self, action: Action, message: Any) -> torch.Tensor | None:
+        i = action.microbatch
+        if action.kind == "F":
+            arrived = to_device(self.inputs[i], self.device) if self.is_first else message
+            flight = stage_ops.forward(
+                self.module, arrived, self.parameters, is_first=self.is_first,
+                loss_fn=self.loss_fn if self.is_last else None,
+                target=to_device(self.targets[i], self.device) if self.is_last else None,
+                weight=self.weights[i], checkpoint=self.checkpoint,
+            )
+            self.kept[i], self.saved_bytes[i] = flight, flight.saved_bytes
+            if self.is_last:
+                self.losses[i] = flight.loss.detach()
+                return None
+            return flight.sent
+        if action.kind == "B":
+            flight = self.kept.pop(i)
+            gradient = stage_ops.backward(flight, message)
+            self.recomputed_bytes[i] = flight.recomputed_bytes
+            return None if self.is_first else gradient
+        raise PipelineError(f"{action.describe()}: this engine runs F and B actions, not {action.kind!r}")
+
+    def explain(self, action: Action, message: Any, error: Exception) -> str:
+        """Where it failed (stage, blocks, action, rank) and the original message, plus a hint on shapes."""
+        first, last = self.bounds
+        where = f"{action.describe()} failed on stage {self.index} (blocks {first}..{last - 1}"
+        where += f", rank {self.rank})" if self.rank is not None else ")"
+        text = f"{where}: {type(error).__name__}: {error}"
+        if action.kind == "F":
+            arrived = self.inputs[action.microbatch] if self.is_first else message
+            hint = _shape_hint(self.module, first, arrived, None if self.is_first else self.index - 1, self.index)
+            if hint:
+                text += f"\n  {hint}"
+        return text
+
+
+def _shape_hint(module: nn.Module, first_block: int, arrived: Any, from_stage: int | None, stage: int) -> str:
+    """Say what the stage's first block expected, when its first Linear or LayerNorm does not fit the input."""
+    if not isinstance(arrived, torch.Tensor) or arrived.dim() == 0 or len(module) == 0:
+        return ""
+    block = module[0]
+    layer = next((m for m in block.modules() if isinstance(m, (nn.Linear, nn.LayerNorm))), None)
+    expected = None
+    if isinstance(layer, nn.Linear):
+        expected = layer.in_features
+    elif isinstance(layer, nn.LayerNorm):
+        expected = layer.normalized_shape[-1]
+    if expected is None or arrived.shape[-1] == expected:
+        return ""
+    origin = "the input batch" if from_stage is None else f"stage {from_stage}'s output"
+    return (f"stage {stage} received {origin} of shape {tuple(arrived.shape)} ({arrived.dtype}); "
+            f"block {first_block} ({type(block).__name__}) expects {expected} features in the last dimension")
+
+
+class InProcessTransport:
+    """Messages between stages of one process: a copy to the receiving stage's device."""
+
+    def __init__(self, devices: list[torch.device]):
+        self.devices, self.n_stages = devices, len(devices)
+        self.box: dict[Action, Any] = {}  # producing action -> its result, on the consumer's device
+
+    def receive(self, action: Action) -> Any:
+        source = producer(action, self.n_stages)
+        return None if source is None else self.box.pop(source)
+
+    def send(self, action: Action, tensor: torch.Tensor | None) -> None:
+        target = consumer_stage(action, self.n_stages)
+        if target is not None:
+            self.box[action] = tensor.to(self.devices[target])
+
+
+def run_actions(actions: Iterable[Action], workers: dict[int, StageWorker], transport, clock) -> None:
+    """Run `actions` in order: receive, compute (timed by `clock`), send."""
+    for action in actions:
+        worker = workers[action.stage]
+        message = transport.receive(action)
+        clock.begin(action, worker.device)
+        out = worker.compute(action, message)
+        clock.end(action, worker.device)
+        transport.send(action, out)
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Copy every tensor of `batch` to `device` (a fresh copy, so a micro-batch owns its own storage)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, copy=True)
+    if isinstance(batch, dict):
+        return type(batch)((k, to_device(v, device)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        items = [to_device(v, device) for v in batch]
+        return type(batch)(*items) if hasattr(batch, "_fields") else type(batch)(items)
+    return batch

@@ -1,0 +1,186 @@
+"""Activations and gradients between ranks: `torch.distributed` point-to-point.
+
+The distributed engine's transport (the local engine's is `loop.InProcessTransport`):
+
+- **Plain `dist.isend` / `dist.irecv` pairs**, never `dist.batch_isend_irecv`, which hangs
+  on gloo (pytorch/pytorch#132644).
+- **Sends never block**: `send` posts an `isend` and keeps its work; `finish` waits for
+  all of them at the end of the step.
+- **Receives are posted early**, a few per sender ahead of need, and waited on only when
+  the action that needs them runs (`receive`).  They are posted in the order the sender
+  sends on that link (known from the schedule: every rank has the whole table).  NCCL
+  matches point-to-point messages between two ranks by order and gloo by tag; posting in
+  the sender's order satisfies both, so any schedule that `validate` accepts runs without
+  deadlock: a rank blocks only in `receive`, on a message its sender produces without
+  waiting for anything the receiver has not yet done.
+- **Shapes without object collectives**: the first time an activation of a given input
+  shape crosses a boundary, a small int64 header (dtype code, number of dimensions, the
+  sizes) goes first; the receiver allocates from it and caches the answer, so later steps
+  send no header.  A gradient has the shape and dtype of the activation the receiver sent.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..actions import Action, Schedule
+from ..errors import PipelineError
+from .loop import consumer_stage, producer
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
+HEADER_SIZE = 10  # dtype code, number of dimensions, up to 8 sizes
+LOOKAHEAD = 2  # receives posted ahead of need, per sending rank
+
+
+def _tag(action: Action, n_microbatches: int, header: bool = False) -> int:
+    """A tag unique to one message of one step: the producing action, and whether it is the header."""
+    kind = 2 if header else (0 if action.kind == "F" else 1)
+    return 3 * (action.stage * n_microbatches + action.microbatch) + kind
+
+
+def encode_header(tensor: torch.Tensor) -> torch.Tensor:
+    if tensor.dtype not in DTYPES or tensor.dim() > HEADER_SIZE - 2:
+        raise PipelineError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dimensions between stages")
+    values = [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
+    return torch.tensor(values + [0] * (HEADER_SIZE - len(values)), dtype=torch.int64)
+
+
+def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    values = header.tolist()
+    return tuple(values[2:2 + values[1]]), DTYPES[values[0]]
+
+
+class _Incoming:
+    """One message this rank will receive from another, and the state of its receive."""
+
+    def __init__(self, source: Action, consumer: Action):
+        self.source, self.consumer = source, consumer
+        self.header: tuple[torch.Tensor, Any] | None = None  # (buffer, work) while a header is expected
+        self.payload: tuple[torch.Tensor, Any] | None = None  # (buffer, work) once the receive is posted
+
+
+class PointToPointTransport:
+    """Moves activations and gradients between the ranks of `group` (rank d runs device d's actions)."""
+
+    def __init__(self, schedule: Schedule, rank: int, group, device: torch.device):
+        self.schedule, self.rank, self.group, self.device = schedule, rank, group, device
+        self.n_stages, self.n_microbatches = schedule.n_stages, schedule.n_microbatches
+        self.device_of_stage = schedule.device_of_stage()
+        # per sending rank, the messages it sends to this rank, in its order
+        self.channels: dict[int, list[_Incoming]] = defaultdict(list)
+        for sender, row in enumerate(schedule.actions):
+            if sender == rank:
+                continue
+            for action in row:
+                target = consumer_stage(action, self.n_stages)
+                if target is not None and self.device_of_stage[target] == rank:
+                    consumer = Action(action.kind, target, action.microbatch)
+                    self.channels[sender].append(_Incoming(action, consumer))
+        self.known_shapes: dict[tuple, tuple] = {}  # (boundary stage, input signature) -> (shape, dtype)
+        self.headers_sent: set[tuple] = set()
+
+    def start_step(self, signatures: list[tuple]) -> None:
+        """Reset for a step; `signatures[i]` describes micro-batch i's input (shapes and dtypes)."""
+        self.signatures = signatures
+        self.local: dict[Action, Any] = {}  # messages between two stages of this rank
+        self.sent_shapes: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (shape, dtype) of the activation sent
+        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.next_to_post = {sender: 0 for sender in self.channels}
+        self.position = {m.consumer: (sender, k) for sender, queue in self.channels.items() for k, m in enumerate(queue)}
+        self.waits: dict[Action, tuple[float, float]] = {}  # consumer action -> (start, end) of its wait
+        self.sent_at: dict[Action, float] = {}  # producing action -> when its isend was posted
+        for queue in self.channels.values():
+            for message in queue:
+                message.header = message.payload = None
+        for sender in self.channels:
+            self._post(sender, LOOKAHEAD - 1, block=False)
+
+    # -- receiving -----------------------------------------------------------------------
+    def receive(self, action: Action) -> Any:
+        source = producer(action, self.n_stages)
+        if source is None:
+            return None
+        if self.device_of_stage[source.stage] == self.rank:
+            return self.local.pop(source)
+        sender, k = self.position[action]
+        begin = time.perf_counter()
+        self._post(sender, k, block=True)
+        buffer, work = self.channels[sender][k].payload
+        work.wait()
+        end = time.perf_counter()
+        self.waits[action] = (begin, end)
+        self.channels[sender][k].payload = None
+        self._post(sender, k + LOOKAHEAD, block=False)
+        return buffer
+
+    def _post(self, sender: int, upto: int, block: bool) -> None:
+        """Post the receives from `sender` up to index `upto`, in order; without `block`, stop at an unknown shape."""
+        queue = self.channels[sender]
+        while self.next_to_post[sender] <= min(upto, len(queue) - 1):
+            message = queue[self.next_to_post[sender]]
+            shape = self._shape_of(message, block)
+            if shape is None:
+                return
+            buffer = torch.empty(shape[0], dtype=shape[1], device=self.device)
+            work = dist.irecv(buffer, group=self.group, group_src=sender,
+                              tag=_tag(message.source, self.n_microbatches))
+            message.payload = (buffer, work)
+            self.next_to_post[sender] += 1
+
+    def _shape_of(self, message: _Incoming, block: bool) -> tuple | None:
+        source = message.source
+        if source.kind == "B":  # a gradient: shaped like the activation this rank sent
+            return self.sent_shapes.get((message.consumer.stage, source.microbatch))
+        key = (source.stage, self.signatures[source.microbatch])
+        if key in self.known_shapes:
+            return self.known_shapes[key]
+        if message.header is None:
+            buffer = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
+            work = dist.irecv(buffer, group=self.group, group_src=self.device_of_stage[source.stage],
+                              tag=_tag(source, self.n_microbatches, header=True))
+            message.header = (buffer, work)
+        buffer, work = message.header
+        if not block and not work.is_completed():
+            return None
+        work.wait()
+        self.known_shapes[key] = decode_header(buffer)
+        message.header = None
+        return self.known_shapes[key]
+
+    # -- sending -------------------------------------------------------------------------
+    def send(self, action: Action, tensor: torch.Tensor | None) -> None:
+        target = consumer_stage(action, self.n_stages)
+        if target is None:
+            return
+        if action.kind == "F":
+            self.sent_shapes[(action.stage, action.microbatch)] = (tuple(tensor.shape), tensor.dtype)
+        destination = self.device_of_stage[target]
+        if destination == self.rank:
+            self.local[action] = tensor
+            return
+        if tensor is None:
+            raise PipelineError(f"{action.describe()} produced no gradient to send to stage {target}: "
+                                "the activation it received did not require grad")
+        tensor = tensor.contiguous()
+        if action.kind == "F":
+            key = (action.stage, self.signatures[action.microbatch])
+            if key not in self.headers_sent:
+                header = encode_header(tensor).to(self.device)
+                self.sends.append((dist.isend(header, group=self.group, group_dst=destination,
+                                              tag=_tag(action, self.n_microbatches, header=True)), header))
+                self.headers_sent.add(key)
+        self.sent_at[action] = time.perf_counter()
+        work = dist.isend(tensor, group=self.group, group_dst=destination, tag=_tag(action, self.n_microbatches))
+        self.sends.append((work, tensor))
+
+    def finish(self) -> None:
+        """Wait until every message this rank sent has gone (the tensors may then be freed)."""
+        for work, _ in self.sends:
+            work.wait()
+        self.sends.clear()

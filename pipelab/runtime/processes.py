@@ -1,0 +1,139 @@
+"""Start local ranks, run a function on each, bring back their results or the first failure.
+
+`launch(fn, nproc, *args)` is built on `torch.distributed.launcher.api.elastic_launch`, the
+agent `torchrun` runs: it starts `nproc` processes with a c10d rendezvous on a free
+loopback port, sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, watches them, and stops
+all of them as soon as one fails.  pipelab adds three things it does not do:
+
+- **functions from a notebook**: `fn` and its arguments travel as cloudpickle bytes, so a
+  function defined in a notebook cell (which plain pickle cannot send to a new process)
+  runs on the ranks;
+- **a deadline**: each rank arms a watchdog; a rank still running after `timeout_seconds`
+  (a deadlock, or a wait on a rank that died) records where every thread was and exits,
+  and the agent then stops the others;
+- **the cause, once**: every rank that raises writes its rank, the exact time and its
+  message to a file; of all failures the earliest is the cause (the others are its
+  consequences, e.g. "connection closed by peer"), and it is re-raised in the caller as
+  `DistributedError` naming the rank, with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import cloudpickle
+
+
+class DistributedError(RuntimeError):
+    """A rank failed: `rank` is the one that failed first, `message` its own words, `details` its traceback."""
+
+    def __init__(self, rank: int | None, message: str, details: str = ""):
+        self.rank, self.message, self.details = rank, message, details
+        where = f"rank {rank}" if rank is not None else "a rank"
+        super().__init__(f"{where} failed: {message}")
+
+
+def launch(fn: Callable, nproc: int, *args: Any, timeout_seconds: float = 120, backend: str = "gloo",
+           threads: int | None = 1) -> list:
+    """Run `fn(*args)` on `nproc` fresh local ranks of one process group; return each rank's result, by rank.
+
+    Inside `fn`, `torch.distributed` is initialised (`backend`, with `timeout_seconds` as
+    the collectives' timeout) and torch uses `threads` intra-op threads per rank (None:
+    PyTorch's default).  If a rank raises, is killed, or is still running after
+    `timeout_seconds`, every rank is stopped and `DistributedError` says which rank and why.
+    """
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
+        raise ValueError(f"nproc must be a positive int, got {nproc!r}")
+    if not callable(fn):
+        raise TypeError(f"launch runs a function on every rank; got {type(fn).__name__}")
+    if not timeout_seconds > 0:
+        raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds!r}")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    payload = cloudpickle.dumps((fn, args))
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipelab-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.05,
+                          start_method="spawn")
+    with tempfile.TemporaryDirectory(prefix="pipelab-launch-") as reports, _quiet_agent():
+        try:
+            results = elastic_launch(config, _rank_main)(payload, reports, timeout_seconds, backend, threads)
+        except ChildFailedError as failed:
+            raise _first_failure(Path(reports), failed) from None
+    return [results[rank] for rank in range(nproc)]
+
+
+def _rank_main(payload: bytes, reports: str, timeout_seconds: float, backend: str, threads: int | None):
+    """What each rank runs: arm the watchdog, join the process group, run the function."""
+    import torch
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    watchdog = threading.Timer(timeout_seconds, _expire, (rank, reports, timeout_seconds))
+    watchdog.daemon = True
+    watchdog.start()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
+        fn, args = cloudpickle.loads(payload)
+        return fn(*args)
+    except BaseException as error:
+        _report(reports, rank, f"{type(error).__name__}: {error}", traceback.format_exc())
+        raise
+    finally:
+        watchdog.cancel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _expire(rank: int, reports: str, timeout_seconds: float) -> None:
+    stacks = "\n".join(f"thread {ident}:\n{''.join(traceback.format_stack(frame))}"
+                       for ident, frame in sys._current_frames().items() if ident != threading.get_ident())
+    _report(reports, rank, f"timed out: still running after {timeout_seconds:g} s (a deadlock, or a wait for a rank "
+                           "that failed?)", stacks, timed_out=True)
+    os._exit(3)
+
+
+def _report(reports: str, rank: int, message: str, details: str, timed_out: bool = False) -> None:
+    record = {"rank": rank, "time": time.time(), "message": message, "details": details, "timed_out": timed_out}
+    Path(reports, f"rank{rank}.json").write_text(json.dumps(record))
+
+
+def _first_failure(reports: Path, failed) -> DistributedError:
+    """The earliest failure a rank reported; else the agent's (a rank killed by a signal writes nothing)."""
+    records = [json.loads(p.read_text()) for p in reports.glob("rank*.json")]
+    if records:
+        first = min(records, key=lambda r: r["time"])
+        return DistributedError(first["rank"], first["message"], first["details"])
+    rank, failure = failed.get_first_failure()
+    if failure.exitcode < 0:
+        name = signal.Signals(-failure.exitcode).name if -failure.exitcode in signal.valid_signals() else "?"
+        return DistributedError(rank, f"the process was killed by signal {-failure.exitcode} ({name}); "
+                                      "the other ranks were stopped")
+    return DistributedError(rank, f"the process exited with code {failure.exitcode}: {failure.message}")
+
+
+@contextmanager
+def _quiet_agent():
+    """The agent logs every failure as a long table; pipelab raises one DistributedError instead."""
+    logger = logging.getLogger("torch.distributed.elastic")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
