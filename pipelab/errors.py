@@ -11,3 +11,11 @@ class PipelineError(ValueError):
 
 class ScheduleError(PipelineError):
     """A schedule that is not valid: a missing or repeated action, or a dependency that can never be met."""
+
+
+class LostRankError(PipelineError):
+    """This rank's message exchange with rank `lost_rank` failed: that rank died, or timed out first."""
+
+    def __init__(self, message: str, lost_rank: int | None):
+        super().__init__(message)
+        self.lost_rank = lost_rank

@@ -150,6 +150,8 @@ def _legend(ax, events, n_rows: int, communication: bool = False) -> None:
 
 
 def _device_label(trace: Trace, device: int) -> str:
+    if device < len(trace.device_names) and trace.device_names[device].startswith("rank"):
+        return trace.device_names[device]  # "rank 1 (cpu)": one process per device
     if device < len(trace.device_names) and trace.device_names[device] not in ("cpu",):
         return f"device {device} ({trace.device_names[device]})"
     return f"device {device}"

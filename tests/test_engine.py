@@ -138,8 +138,31 @@ def test_a_stage_that_returns_a_tuple_is_refused_clearly():
 
     model = nn.Sequential(Pair(), nn.Identity())
     pipe = pl.Pipeline(model, 2, 1, "gpipe", nn.MSELoss(), devices="cpu")
-    with pytest.raises(TypeError, match="one tensor between stages"):
+    with pytest.raises(pl.PipelineError, match=r"F\(stage 0, mb 0\) failed on stage 0 \(blocks 0..0\): "
+                       "TypeError: a stage returned tuple; pipelab passes one tensor between stages"):
         pipe.step(torch.randn(2, 3), torch.randn(2, 3))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_an_error_inside_a_stage_names_the_stage_its_blocks_the_action_and_what_the_block_expected(schedule):
+    model = pl.models.mlp(depth=8, width=16, seed=0)
+    pipe = pl.Pipeline(model, 4, 2, schedule, nn.MSELoss(), devices="cpu")
+    with pytest.raises(pl.PipelineError) as caught:
+        pipe.step(torch.randn(8, 7), torch.randn(8, 16))
+    text = str(caught.value)
+    assert text.startswith("F(stage 0, mb 0) failed on stage 0 (blocks 0..1): RuntimeError: mat1 and mat2")
+    assert "received the input batch of shape (4, 7)" in text and "block 0 (Sequential) expects 16 features" in text
+
+    # a stage whose input does not fit what the previous stage sends: both stages and both sizes
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(16, 4))
+    pipe = pl.Pipeline(model, 2, 2, schedule, nn.MSELoss(), devices="cpu")
+    pipe._warm = True  # the failure as the step itself meets it (the warm-up reports it the same way)
+    with pytest.raises(pl.PipelineError) as caught:
+        pipe.step(torch.randn(8, 16), torch.randn(8, 4))
+    text = str(caught.value)
+    assert text.startswith("F(stage 1, mb 0) failed on stage 1 (blocks 1..1)")
+    assert "stage 1 received stage 0's output of shape (4, 32)" in text
+    assert "block 1 (Linear) expects 16 features" in text
 
 
 def test_checkpointing_keeps_only_stage_inputs_between_f_and_b():

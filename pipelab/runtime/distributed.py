@@ -30,7 +30,7 @@ from .. import microbatch
 from ..actions import Action, Schedule
 from ..errors import PipelineError
 from ..memory import activation_samples, checkpoint_plan
-from ..partition import Partition, split
+from ..partition import Partition, balanced_bounds, split
 from ..schedules import by_name, validate
 from ..trace import Event, Message, Trace, Wait
 from .clock import ActionClock
@@ -59,7 +59,9 @@ class DistributedPipeline:
         device: None picks cuda:LOCAL_RANK with NCCL, else the CPU.
         group: the process group of the pipeline (default: the whole world).
         checkpoint: activation checkpointing per stage, as in `pl.Pipeline`.
-        split_method: "uniform", "params", or a ready `Partition` (the same on every rank).
+        split_method: "uniform", "params", "time" or a ready `Partition` (the same on every rank).
+            "time" needs `sample` (an input batch); rank 0 measures the blocks and sends the
+            costs to the others, so that every rank cuts the model at the same places.
         threads: intra-op threads for this process on a CPU (default 1, so that ranks sharing
             a machine's cores really run in parallel); None leaves PyTorch's setting.
     """
@@ -67,7 +69,7 @@ class DistributedPipeline:
     def __init__(self, model: nn.Module, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, device: Any = None, group=None,
                  checkpoint: str | list[bool] = "never", split_method: str | Partition = "uniform",
-                 threads: int | None = 1):
+                 sample: Any = None, threads: int | None = 1):
         if not (dist.is_available() and dist.is_initialized()):
             raise PipelineError("DistributedPipeline runs inside a process group: start it with torchrun "
                                 "(torchrun --nproc-per-node 2 -m pipelab.launch ...) or pl.distributed.launch(fn, 2)")
@@ -80,16 +82,18 @@ class DistributedPipeline:
         self.model, self.loss_fn, self.n_microbatches = model, loss_fn, n_microbatches
         self.schedule = self._resolve_schedule(schedule)
         self.n_stages = self.schedule.n_stages
-        if isinstance(split_method, str) and split_method == "time":
-            raise PipelineError("split_method='time' would measure different times on every rank; split once with "
-                                "pl.split(model, n, 'time', sample) where you can, and pass its bounds as a Partition")
-        self.partition = split_method if isinstance(split_method, Partition) else split(model, self.n_stages, split_method)
-        if len(self.partition) != self.n_stages:
-            raise PipelineError(f"the partition has {len(self.partition)} stages, the schedule {self.n_stages}")
         self.checkpoint = checkpoint_plan(checkpoint, self.n_stages)
         self.device = self._resolve_device(device)
         if threads is not None and self.device.type == "cpu":
             torch.set_num_threads(threads)
+        if isinstance(split_method, Partition):
+            self.partition = split_method
+        elif split_method == "time":
+            self.partition = self._split_by_time(model, sample)
+        else:
+            self.partition = split(model, self.n_stages, split_method)
+        if len(self.partition) != self.n_stages:
+            raise PipelineError(f"the partition has {len(self.partition)} stages, the schedule {self.n_stages}")
 
         device_of_stage = self.schedule.device_of_stage()
         self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
@@ -99,6 +103,19 @@ class DistributedPipeline:
                                        self.checkpoint[s], self.device, rank=self.rank) for s in self.stages}
         self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
+
+    def _split_by_time(self, model: nn.Module, sample: Any) -> Partition:
+        """Rank 0 times every block; the costs are broadcast, so every rank computes the same cut."""
+        if sample is None:
+            raise ValueError('split_method="time" measures each block, so pass sample=<an input batch>')
+        split(model, self.n_stages, "uniform")  # the same checks on every rank, before any communication
+        costs = torch.zeros(len(model), dtype=torch.float64)
+        if self.rank == 0:
+            costs = torch.tensor(split(model, self.n_stages, "time", sample).block_costs, dtype=torch.float64)
+        costs = costs.to(self.device)
+        dist.broadcast(costs, group_src=0, group=self.group)
+        bounds = balanced_bounds(costs.tolist(), self.n_stages)
+        return Partition(bounds, [model[a:b] for a, b in bounds], "time", costs.tolist())
 
     def _resolve_schedule(self, schedule) -> Schedule:
         if isinstance(schedule, str):

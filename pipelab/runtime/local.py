@@ -155,10 +155,13 @@ class Pipeline:
             inp = x.to(device) if isinstance(x, torch.Tensor) else x
             if s > 0 and isinstance(inp, torch.Tensor) and inp.is_floating_point():
                 inp = inp.detach().requires_grad_(True)
-            out = stage(inp)
-            stage_ops.check_activation(out)
-            if s == last:
-                out = self.loss_fn(out, to_device(targets, device))
+            try:
+                out = stage(inp)
+                stage_ops.check_activation(out)
+                if s == last:
+                    out = self.loss_fn(out, to_device(targets, device))
+            except Exception as error:
+                raise PipelineError(self.workers[s].explain(Action("F", s, 0), inp, error)) from error
             wrt = [t for t in [inp, *self.parameters[s]] if isinstance(t, torch.Tensor) and t.requires_grad]
             if wrt:
                 torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)

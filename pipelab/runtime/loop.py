@@ -73,7 +73,8 @@ class StageWorker:
         except PipelineError:
             raise
         except Exception as error:
-            raise PipelineError(self.explain(action, message, error)) from error
+            arrived = (self.inputs[action.microbatch] if self.is_first else message) if action.kind == "F" else None
+            raise PipelineError(self.explain(action, arrived, error)) from error
 
     def _compute(self, action: Action, message: Any) -> torch.Tensor | None:
         i = action.microbatch
@@ -97,14 +98,14 @@ class StageWorker:
             return None if self.is_first else gradient
         raise PipelineError(f"{action.describe()}: this engine runs F and B actions, not {action.kind!r}")
 
-    def explain(self, action: Action, message: Any, error: Exception) -> str:
-        """Where it failed (stage, blocks, action, rank) and the original message, plus a hint on shapes."""
+    def explain(self, action: Action, arrived: Any, error: Exception) -> str:
+        """Where it failed (stage, blocks, action, rank) and the original message, plus a hint when the
+        input `arrived` at a forward does not fit the stage's first block."""
         first, last = self.bounds
         where = f"{action.describe()} failed on stage {self.index} (blocks {first}..{last - 1}"
         where += f", rank {self.rank})" if self.rank is not None else ")"
         text = f"{where}: {type(error).__name__}: {error}"
         if action.kind == "F":
-            arrived = self.inputs[action.microbatch] if self.is_first else message
             hint = _shape_hint(self.module, first, arrived, None if self.is_first else self.index - 1, self.index)
             if hint:
                 text += f"\n  {hint}"

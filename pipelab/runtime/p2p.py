@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..actions import Action, Schedule
-from ..errors import PipelineError
+from ..errors import LostRankError, PipelineError
 from .loop import consumer_stage, producer
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -112,7 +112,7 @@ class PointToPointTransport:
         begin = time.perf_counter()
         self._post(sender, k, block=True)
         buffer, work = self.channels[sender][k].payload
-        work.wait()
+        self._wait(work, sender, f"waiting for {source} from rank {sender}")
         end = time.perf_counter()
         self.waits[action] = (begin, end)
         self.channels[sender][k].payload = None
@@ -148,7 +148,7 @@ class PointToPointTransport:
         buffer, work = message.header
         if not block and not work.is_completed():
             return None
-        work.wait()
+        self._wait(work, self.device_of_stage[source.stage], f"waiting for the shape of {source}")
         self.known_shapes[key] = decode_header(buffer)
         message.header = None
         return self.known_shapes[key]
@@ -182,5 +182,13 @@ class PointToPointTransport:
     def finish(self) -> None:
         """Wait until every message this rank sent has gone (the tensors may then be freed)."""
         for work, _ in self.sends:
-            work.wait()
+            self._wait(work, None, "sending its results")
         self.sends.clear()
+
+    def _wait(self, work, peer: int | None, doing: str) -> None:
+        try:
+            work.wait()
+        except RuntimeError as error:
+            lost = f"rank {peer}" if peer is not None else "a rank"
+            raise LostRankError(f"rank {self.rank} lost {lost} while {doing} ({lost} died, or timed out): "
+                                f"{error}", peer) from error

@@ -36,6 +36,8 @@ from typing import Any, Callable
 
 import cloudpickle
 
+from ..errors import LostRankError
+
 
 class DistributedError(RuntimeError):
     """A rank failed: `rank` is the one that failed first, `message` its own words, `details` its traceback."""
@@ -92,7 +94,8 @@ def _rank_main(payload: bytes, reports: str, timeout_seconds: float, backend: st
         fn, args = cloudpickle.loads(payload)
         return fn(*args)
     except BaseException as error:
-        _report(reports, rank, f"{type(error).__name__}: {error}", traceback.format_exc())
+        _report(reports, rank, f"{type(error).__name__}: {error}", traceback.format_exc(),
+                consequence=_is_consequence(error))
         raise
     finally:
         watchdog.cancel()
@@ -108,23 +111,54 @@ def _expire(rank: int, reports: str, timeout_seconds: float) -> None:
     os._exit(3)
 
 
-def _report(reports: str, rank: int, message: str, details: str, timed_out: bool = False) -> None:
-    record = {"rank": rank, "time": time.time(), "message": message, "details": details, "timed_out": timed_out}
+def _is_consequence(error: BaseException) -> bool:
+    """True for an error that another rank's failure causes: a lost peer, a connection closed under us."""
+    if isinstance(error, LostRankError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and any(sign in text for sign in _PEER_GONE)
+
+
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words
+
+
+def _report(reports: str, rank: int, message: str, details: str, timed_out: bool = False,
+            consequence: bool = False) -> None:
+    record = {"rank": rank, "time": time.time(), "message": message, "details": details, "timed_out": timed_out,
+              "consequence": consequence}
     Path(reports, f"rank{rank}.json").write_text(json.dumps(record))
 
 
 def _first_failure(reports: Path, failed) -> DistributedError:
-    """The earliest failure a rank reported; else the agent's (a rank killed by a signal writes nothing)."""
-    records = [json.loads(p.read_text()) for p in reports.glob("rank*.json")]
+    """The cause among all failures: the earliest a rank raised or timed out on its own, else a rank
+    killed by a signal, else the rest.
+
+    A rank that loses a peer (`LostRankError`, or gloo's "connection closed") reports a
+    consequence; a rank killed by a signal reports nothing, but the agent saw its exit code.
+    """
+    records = sorted((json.loads(p.read_text()) for p in reports.glob("rank*.json")), key=lambda r: r["time"])
+    causes = [r for r in records if not r["consequence"]]
+    if causes:
+        return DistributedError(causes[0]["rank"], causes[0]["message"], causes[0]["details"])
+    killed = {rank: f.exitcode for rank, f in failed.failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
+    if killed:
+        rank, code = min(killed.items())
+        then = f"; then {records[0]['message']}" if records else ""
+        return DistributedError(rank, f"the process was killed by signal {-code} ({_signal_name(-code)}){then}")
     if records:
-        first = min(records, key=lambda r: r["time"])
-        return DistributedError(first["rank"], first["message"], first["details"])
+        return DistributedError(records[0]["rank"], records[0]["message"], records[0]["details"])
     rank, failure = failed.get_first_failure()
     if failure.exitcode < 0:
-        name = signal.Signals(-failure.exitcode).name if -failure.exitcode in signal.valid_signals() else "?"
-        return DistributedError(rank, f"the process was killed by signal {-failure.exitcode} ({name}); "
-                                      "the other ranks were stopped")
+        return DistributedError(rank, f"the process was killed by signal {-failure.exitcode} "
+                                      f"({_signal_name(-failure.exitcode)})")
     return DistributedError(rank, f"the process exited with code {failure.exitcode}: {failure.message}")
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return "unknown signal"
 
 
 @contextmanager

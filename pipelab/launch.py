@@ -1,0 +1,59 @@
+"""`python -m pipelab.launch`: the torchrun entry point, one process per pipeline stage.
+
+One machine, two stages:
+
+    torchrun --nproc-per-node 2 -m pipelab.launch --model mlp --stages 2 --microbatches 8 --schedule 1f1b --steps 20
+
+Two machines, one stage each (run on both; --node-rank 0 on the first, 1 on the second):
+
+    torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+        -m pipelab.launch --model mlp --stages 2 --microbatches 8 --schedule 1f1b --steps 20
+
+The flags are those of `pipelab run`.  torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the
+rendezvous; this joins the process group (NCCL when the ranks use GPUs, else gloo, with
+`--timeout-seconds` as the collectives' timeout), trains, and rank 0 prints the report and
+writes the timeline, the Chrome trace and (with --json) the figures.  A rank that raises is
+recorded for torchrun (`@record`), which then stops the others and prints that rank's error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from datetime import timedelta
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from .training import add_run_arguments, finish, train_rank
+
+
+@record
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    parser = argparse.ArgumentParser(prog="torchrun ... -m pipelab.launch",
+                                     description="One pipeline stage per process (run it under torchrun).")
+    add_run_arguments(parser)
+    args = parser.parse_args(argv)
+    if "RANK" not in os.environ:
+        parser.error("start this under torchrun (it sets RANK and WORLD_SIZE), e.g. "
+                     "torchrun --nproc-per-node 2 -m pipelab.launch --stages 2; or use "
+                     "pipelab run --backend distributed --nproc 2")
+    use_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        args.device = "auto"  # cuda:LOCAL_RANK
+    dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout_seconds))
+    try:
+        summary = train_rank(args)
+        if dist.get_rank() == 0:
+            finish(summary, args)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

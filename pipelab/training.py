@@ -1,0 +1,191 @@
+"""The training run behind `pipelab run` and `python -m pipelab.launch`, for either engine.
+
+`train_local(args)` runs in this process (`pl.Pipeline`); `train_rank(args)` runs on each
+rank of an initialised process group (`pl.DistributedPipeline`).  Both train the same
+model on the same batch and return a `RunSummary`; `finish(summary, args)` prints the
+table, writes the timeline PNG, the Chrome trace and, with `--json`, the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from .trace import Trace
+
+
+@dataclass
+class RunSummary:
+    schedule: str
+    n_stages: int
+    n_microbatches: int
+    bounds: list[tuple[int, int]]
+    split_method: str
+    devices: list[str]
+    backend: str  # "local" or "distributed"
+    world_size: int  # processes that ran the pipeline
+    losses: list[float]
+    step_seconds: list[float]  # wall clock per step, engine included
+    trace: Trace  # the last step's
+
+
+def add_run_arguments(run: argparse.ArgumentParser) -> None:
+    """The flags of `pipelab run`, shared with `python -m pipelab.launch`."""
+    run.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    run.add_argument("--stages", type=positive, default=4, help="pipeline stages p")
+    run.add_argument("--microbatches", type=positive, default=8, help="micro-batches per step m")
+    run.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b")
+    run.add_argument("--steps", type=positive, default=10)
+    run.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (distributed: auto, cpu or cuda)")
+    run.add_argument("--batch-size", type=positive, default=64)
+    run.add_argument("--depth", type=positive, default=8, help="blocks of the MLP / transformer layers of the GPT")
+    run.add_argument("--width", type=positive, default=256, help="MLP width / GPT d_model")
+    run.add_argument("--split", choices=["uniform", "params", "time"], default="uniform")
+    run.add_argument("--lr", type=float, default=1e-3)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--out", type=Path, default=Path("pipelab-out"), help="folder for the PNG and the Chrome trace")
+    run.add_argument("--json", type=Path, default=None, help="also write the run's figures to this JSON file")
+    run.add_argument("--timeout-seconds", type=float, default=60,
+                     help="distributed: a rank waiting longer than this for another ends the run")
+
+
+def positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _model_and_batch(args):
+    import pipelab as pl
+
+    if args.model == "mlp":
+        model = pl.models.mlp(depth=args.depth, width=args.width, seed=args.seed)
+    else:
+        model = pl.models.tiny_gpt(n_layers=args.depth, d_model=args.width, n_heads=4, seed=args.seed)
+    inputs, targets = pl.models.sample_batch(model, args.batch_size, seed=args.seed)
+    return model, inputs, targets
+
+
+def _train(pipe, parameters, inputs, targets, args, show_progress: bool) -> tuple[list[float], list[float], Trace]:
+    import torch
+    from tqdm import tqdm
+
+    optimizer = torch.optim.Adam(parameters, lr=args.lr)
+    losses, step_seconds = [], []
+    steps = range(args.steps)
+    bar = tqdm(steps, desc=f"{pipe.schedule.name} p={pipe.n_stages} m={pipe.n_microbatches}", unit="step",
+               disable=not show_progress)
+    for _ in bar:
+        optimizer.zero_grad(set_to_none=True)
+        result = pipe.step(inputs, targets)
+        optimizer.step()
+        losses.append(result.loss)
+        step_seconds.append(result.wall_seconds)
+        bar.set_postfix(loss=f"{result.loss:.4f}")
+    return losses, step_seconds, result.trace
+
+
+def train_local(args) -> RunSummary:
+    import pipelab as pl
+
+    model, inputs, targets = _model_and_batch(args)
+    pipe = pl.Pipeline(model, args.stages, args.microbatches, args.schedule, pl.models.default_loss(model),
+                       devices=args.device, split_method=args.split, sample=inputs)
+    losses, seconds, trace = _train(pipe, model.parameters(), inputs, targets, args, show_progress=True)
+    return RunSummary(pipe.schedule.name, pipe.n_stages, pipe.n_microbatches, pipe.partition.bounds,
+                      pipe.partition.method, [str(d) for d in pipe.devices], "local", 1, losses, seconds, trace)
+
+
+def train_rank(args) -> RunSummary:
+    """Train on this rank of the current process group (rank 0 shows the progress bar)."""
+    import torch.distributed as dist
+
+    import pipelab as pl
+
+    model, inputs, targets = _model_and_batch(args)
+    device = None if args.device == "auto" else args.device
+    pipe = pl.DistributedPipeline(model, args.microbatches, _schedule(args), pl.models.default_loss(model),
+                                  device=device, split_method=args.split, sample=inputs)
+    losses, seconds, trace = _train(pipe, pipe.parameters(), inputs, targets, args,
+                                    show_progress=dist.get_rank() == 0)
+    return RunSummary(pipe.schedule.name, pipe.n_stages, pipe.n_microbatches, pipe.partition.bounds,
+                      pipe.partition.method, [str(pipe.device)], "distributed", pipe.world_size, losses, seconds, trace)
+
+
+def _schedule(args):
+    """The named schedule for --stages devices, so that a world size that differs is named as such."""
+    import pipelab as pl
+
+    return pl.schedules.by_name(args.schedule, args.stages, args.microbatches)
+
+
+def finish(summary: RunSummary, args) -> None:
+    """Print the table; write the timeline PNG, the Chrome trace and (with --json) the figures."""
+    print(report(summary))
+    stem = f"{summary.schedule}_p{summary.n_stages}_m{summary.n_microbatches}"
+    write_outputs(summary.trace, args.out / f"timeline_{stem}.png", args.out / f"trace_{stem}.json")
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(figures(summary), indent=1))
+        print(f"figures (JSON): {args.json}")
+
+
+def figures(summary: RunSummary) -> dict:
+    """The run's figures, for scripts and benchmarks."""
+    trace = summary.trace
+    return {
+        "schedule": summary.schedule, "n_stages": summary.n_stages, "n_microbatches": summary.n_microbatches,
+        "backend": summary.backend, "world_size": summary.world_size, "devices": summary.devices,
+        "bounds": summary.bounds, "split": summary.split_method,
+        "losses": summary.losses, "step_seconds": summary.step_seconds,
+        "trace_source": trace.source, "trace_source_label": trace.source_label,
+        "makespan_seconds": trace.makespan, "bubble_fraction": trace.bubble_fraction,
+        "busy_seconds": trace.busy_time, "peak_inflight": trace.peak_inflight,
+        "peak_activation_bytes": trace.peak_memory,
+    }
+
+
+def write_outputs(trace: Trace, png: Path, chrome: Path) -> None:
+    """Save the timeline PNG and the Chrome trace, and say where they are."""
+    import pipelab as pl
+
+    png.parent.mkdir(parents=True, exist_ok=True)
+    pl.plot.timeline(trace).savefig(png, dpi=120)
+    trace.to_chrome_trace(chrome)
+    print(f"\ntimeline: {png}\nChrome trace (open in Perfetto or chrome://tracing): {chrome}")
+
+
+def report(summary: RunSummary) -> str:
+    """The run's summary table: the last step's trace, per stage, and the training curve."""
+    trace, losses = summary.trace, summary.losses
+    busy, inflight, peak = trace.busy_time, trace.peak_inflight, trace.peak_memory
+    device_of = {e.stage: e.device for e in trace.events}
+    where = (f"devices {summary.devices}" if summary.backend == "local"
+             else f"{summary.world_size} processes (torch.distributed), devices {summary.devices}")
+    lines = [
+        "",
+        f"split {summary.bounds} ({summary.split_method}), {where}",
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
+        f"median step {statistics.median(summary.step_seconds) * 1e3:.1f} ms (wall clock, engine included)",
+        f"last step: makespan {trace.makespan * 1e3:.1f} ms, bubble fraction {trace.bubble_fraction:.1%}  "
+        f"[{trace.source_label}]",
+        "",
+        f"{'stage':>5} {'blocks':>9} {'busy ms':>9} {'peak in-flight':>15} {'peak activations':>17}",
+    ]
+    for s in range(summary.n_stages):
+        a, b = summary.bounds[s]
+        lines.append(f"{s:>5} {f'{a}..{b - 1}':>9} {busy[device_of[s]] * 1e3:>9.2f} {inflight[s]:>15} "
+                     f"{_bytes(peak[device_of[s]]):>17}")
+    return "\n".join(lines)
+
+
+def _bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return str(n)

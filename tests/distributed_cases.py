@@ -1,0 +1,105 @@
+"""What the ranks run in tests/test_distributed.py (functions given to pl.distributed.launch)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+import pipelab as pl
+
+BATCH = 19  # prime: most m give uneven micro-batches
+
+
+def make_model(kind: str):
+    if kind == "mlp":
+        return pl.models.mlp(depth=8, width=16, seed=1)
+    return pl.models.tiny_gpt(n_layers=6, d_model=16, n_heads=2, vocab_size=32, seq_len=6, seed=1)
+
+
+def unusual_schedules() -> dict[int, pl.Schedule]:
+    """Valid schedules whose receivers take messages in another order than their senders send them."""
+    two = pl.Schedule.from_text("""
+        device 0 | F0 F1 F2 B0 B1 B2
+        device 1 | F1 B1 F2 B2 F0 B0
+    """)
+    three = pl.Schedule.from_text("""
+        device 0 | F1 F0 B0 B1
+        device 1 | F0 F1 B1 B0
+        device 2 | F1 B1 F0 B0
+    """)
+    return {2: two, 3: three}
+
+
+def run_cases(cases: list[tuple]) -> list[dict]:
+    """On every rank: one step per case (model kind, schedule, m); what this rank saw."""
+    found = []
+    for kind, schedule, n_microbatches in cases:
+        model = make_model(kind)
+        x, y = pl.models.sample_batch(model, BATCH, seed=2)
+        pipe = pl.DistributedPipeline(model, n_microbatches, schedule, pl.models.default_loss(model))
+        result = pipe.step(x, y)
+        found.append({
+            "loss": result.loss,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "freed": sorted(n for n, p in model.named_parameters() if p.device.type == "meta"),
+            "trace": result.trace,
+            "offset": (pipe.clock_offset, pipe.clock_error),
+        })
+    return found
+
+
+def bad_launch(kind_of_mistake: str) -> str:
+    """Make a mistake every rank makes alike; return the message each rank got (none may communicate)."""
+    model = make_model("mlp")
+    loss_fn = torch.nn.MSELoss()
+    try:
+        if kind_of_mistake == "world size":
+            pl.DistributedPipeline(model, 4, pl.schedules.one_f_one_b(3, 4), loss_fn)
+        elif kind_of_mistake == "other m":
+            pl.DistributedPipeline(model, 4, pl.schedules.gpipe(dist.get_world_size(), 8), loss_fn)
+        elif kind_of_mistake == "m < 1":
+            pl.DistributedPipeline(model, 0, "1f1b", loss_fn)
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def wrong_feature_size() -> None:
+    model = make_model("mlp")
+    pipe = pl.DistributedPipeline(model, 2, "1f1b", torch.nn.MSELoss())
+    pipe.step(torch.randn(8, 7), torch.randn(8, 16))
+
+
+def one_rank_raises(failing_rank: int) -> None:
+    model = make_model("mlp")
+    pipe = pl.DistributedPipeline(model, 4, "1f1b", torch.nn.MSELoss())
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    pipe.step(x, y)
+    if dist.get_rank() == failing_rank:
+        raise RuntimeError(f"rank {failing_rank} gives up on purpose")
+    pipe.step(x, y)  # the others wait for the failing rank's messages
+
+
+def one_rank_is_killed(killed_rank: int) -> None:
+    model = make_model("mlp")
+    pipe = pl.DistributedPipeline(model, 4, "1f1b", torch.nn.MSELoss())
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    pipe.step(x, y)
+    if dist.get_rank() == killed_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    pipe.step(x, y)
+
+
+def both_receive_first() -> None:
+    """A deadlock: each rank waits for the other's message before sending its own."""
+    buffer = torch.zeros(1)
+    dist.recv(buffer, src=1 - dist.get_rank())
+
+
+def report_pid() -> int:
+    time.sleep(0.1)
+    return os.getpid()

@@ -1,0 +1,184 @@
+"""The distributed engine on real processes (gloo): exact, measured, and failing cleanly.
+
+Reference: the plain single-device step, `loss_fn(model(x), y).backward()` on the whole
+batch, computed here in the test process with plain autograd (no pipelab code).  Each
+launch runs many cases, since starting the ranks costs seconds.
+"""
+
+import time
+
+import psutil
+import pytest
+import torch
+
+import pipelab as pl
+from distributed_cases import BATCH, make_model, unusual_schedules
+
+import distributed_cases as cases
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def reference(kind):
+    model = make_model(kind)
+    x, y = pl.models.sample_batch(model, BATCH, seed=2)
+    loss = pl.models.default_loss(model)(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def running_children() -> list[int]:
+    """Processes this test started that still run (multiprocessing's resource tracker aside)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def no_children_left() -> list[int]:
+    deadline = time.monotonic() + 10
+    while running_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running_children()
+
+
+@pytest.mark.parametrize("n_stages", [2, 3, 4])
+def test_every_gradient_equals_the_single_device_step(n_stages):
+    grid = [(kind, schedule, m) for kind in ("mlp", "gpt") for schedule in ("gpipe", "1f1b") for m in (1, 4, 8)]
+    if n_stages in unusual_schedules():
+        grid.append(("mlp", unusual_schedules()[n_stages], unusual_schedules()[n_stages].n_microbatches))
+    per_rank = pl.distributed.launch(cases.run_cases, n_stages, grid, timeout_seconds=240)
+    references = {kind: reference(kind) for kind in ("mlp", "gpt")}
+    for k, (kind, schedule, m) in enumerate(grid):
+        where = f"{kind} {getattr(schedule, 'name', schedule)} p={n_stages} m={m}"
+        ref_loss, ref_grads = references[kind]
+        seen = [rank[k] for rank in per_rank]
+        for rank, found in enumerate(seen):
+            assert found["loss"] == seen[0]["loss"], f"{where}: rank {rank} reports another loss"
+            torch.testing.assert_close(torch.tensor(found["loss"], dtype=ref_loss.dtype), ref_loss, **TOLERANCE)
+        # every parameter got its gradient on exactly one rank, and it is the single-device one
+        owners = {}
+        for rank, found in enumerate(seen):
+            for name, grad in found["grads"].items():
+                assert name not in owners, f"{where}: {name} has a gradient on ranks {owners[name]} and {rank}"
+                owners[name] = rank
+                torch.testing.assert_close(grad, ref_grads[name], **TOLERANCE, msg=lambda e: f"{where} {name}: {e}")
+            # what a rank does not own is freed (on the meta device), and only that
+            assert set(found["freed"]) == set(ref_grads) - set(found["grads"]), where
+        assert set(owners) == set(ref_grads), f"{where}: parameters without a gradient"
+
+
+def test_the_trace_is_measured_on_every_rank_and_shows_the_waits():
+    schedule = unusual_schedules()[2]
+    per_rank = pl.distributed.launch(cases.run_cases, 2, [("mlp", "1f1b", 8), ("mlp", schedule, 3)])
+    for k, sched in enumerate([pl.schedules.one_f_one_b(2, 8), schedule]):
+        traces = [rank[k]["trace"] for rank in per_rank]
+        trace = traces[0]
+        assert traces[1].events == trace.events  # every rank returns the same complete trace
+        assert trace.source == "measured" and trace.n_processes == 2
+        assert "2 processes" in trace.source_label
+        assert sorted(map(str, (e.action for e in trace.events))) == sorted(map(str, sched.all_actions()))
+        for device, row in enumerate(sched.actions):
+            events = sorted((e for e in trace.events if e.device == device), key=lambda e: e.start)
+            assert [e.action for e in events] == row  # each rank ran its own list, in order
+            assert all(a.end <= b.start for a, b in zip(events, events[1:]))  # one action at a time
+        # real dependencies hold on the wall clock: a consumer starts after its producer ended
+        end = {e.action: e.end for e in trace.events}
+        for e in trace.events:
+            if e.kind == "F" and e.stage > 0:
+                assert e.start >= end[pl.Action("F", e.stage - 1, e.microbatch)]
+            if e.kind == "B" and e.stage < 1:
+                assert e.start >= end[pl.Action("B", e.stage + 1, e.microbatch)]
+        # one wait and one message per received activation or gradient: 2 per micro-batch here
+        assert len(trace.waits) == len(trace.messages) == 2 * sched.n_microbatches
+        for message in trace.messages:
+            assert message.sent <= message.received + 1e-4  # (offset error: microseconds)
+            assert message.source_device != message.target_device
+    assert trace.peak_inflight == [3, 1]  # stage 0 keeps all 3 micro-batches, stage 1 one at a time
+
+
+def test_clock_offsets_are_within_their_error_of_zero_on_one_machine():
+    # one machine: every process reads the same monotonic clock, so the true offset is 0
+    per_rank = pl.distributed.launch(cases.run_cases, 3, [("mlp", "gpipe", 2)])
+    offsets = [rank[0]["offset"] for rank in per_rank]
+    assert offsets[0] == (0.0, 0.0)
+    for offset, error in offsets[1:]:
+        assert 0 < error < 0.01 and abs(offset) <= error
+
+
+@pytest.mark.parametrize("mistake,expected", [
+    ("world size", "the schedule has 3 devices but the process group has 2 ranks"),
+    ("other m", "the schedule is for 8 micro-batches, but n_microbatches=4"),
+    ("m < 1", "n_microbatches must be a positive int, got 0"),
+])
+def test_a_bad_launch_fails_on_every_rank_alike_before_any_communication(mistake, expected):
+    messages = pl.distributed.launch(cases.bad_launch, 2, mistake, timeout_seconds=60)
+    assert messages[0] == messages[1] and expected in messages[0]
+
+
+def test_a_stage_error_names_the_rank_stage_blocks_action_and_the_block_that_expected_another_size():
+    with pytest.raises(pl.DistributedError) as caught:
+        pl.distributed.launch(cases.wrong_feature_size, 2, timeout_seconds=60)
+    error = caught.value
+    assert error.rank == 0
+    assert "F(stage 0, mb 0) failed on stage 0 (blocks 0..3, rank 0)" in str(error)
+    assert "block 0 (Sequential) expects 16 features" in str(error) and "(4, 7)" in str(error)
+    assert "mat1 and mat2" in str(error)  # the original message too
+
+
+@pytest.mark.parametrize("failing_rank", [0, 1])
+def test_a_rank_that_raises_ends_the_run_fast_with_its_own_message(failing_rank):
+    begin = time.monotonic()
+    with pytest.raises(pl.DistributedError) as caught:
+        pl.distributed.launch(cases.one_rank_raises, 2, failing_rank, timeout_seconds=120)
+    assert time.monotonic() - begin < 30
+    assert caught.value.rank == failing_rank
+    assert caught.value.message == f"RuntimeError: rank {failing_rank} gives up on purpose"
+    assert "one_rank_raises" in caught.value.details  # that rank's traceback
+    assert no_children_left() == []
+
+
+def test_a_killed_rank_ends_the_run_naming_it_with_no_process_left():
+    begin = time.monotonic()
+    with pytest.raises(pl.DistributedError) as caught:
+        pl.distributed.launch(cases.one_rank_is_killed, 2, 1, timeout_seconds=120)
+    assert time.monotonic() - begin < 60
+    assert caught.value.rank == 1 and "SIGKILL" in str(caught.value)
+    assert no_children_left() == []
+
+
+def test_a_deadlock_ends_at_the_deadline_and_says_so():
+    begin = time.monotonic()
+    with pytest.raises(pl.DistributedError) as caught:
+        pl.distributed.launch(cases.both_receive_first, 2, timeout_seconds=5)
+    assert time.monotonic() - begin < 30
+    assert "timed out" in str(caught.value)
+    assert no_children_left() == []
+
+
+def test_launch_runs_a_function_defined_at_run_time_and_returns_every_rank_result():
+    offset = 10
+
+    def add_rank(base):  # a closure: plain pickle could not send it to a new process
+        import torch.distributed as dist
+
+        return base + offset + dist.get_rank() + 100 * dist.get_world_size()
+
+    assert pl.distributed.launch(add_rank, 3, 1) == [311, 312, 313]
+
+
+def test_launch_checks_its_arguments():
+    with pytest.raises(ValueError, match="nproc must be a positive int"):
+        pl.distributed.launch(cases.report_pid, 0)
+    with pytest.raises(TypeError, match="runs a function"):
+        pl.distributed.launch("not a function", 2)
+
+
+def test_outside_a_process_group_the_pipeline_says_how_to_start_one():
+    with pytest.raises(pl.PipelineError, match="torchrun"):
+        pl.DistributedPipeline(make_model("mlp"), 4, "1f1b", torch.nn.MSELoss())
