@@ -69,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
             summary = train_local(args)
         else:
             nproc = args.stages if args.nproc is None else args.nproc
-            summary = launch(train_rank, nproc, args, timeout_seconds=args.timeout_seconds, threads=None)[0]
+            summary = launch(train_rank, nproc, args, timeout_seconds=None, wait_timeout_seconds=args.timeout_seconds,
+                             threads=None)[0]
     except (ValueError, TypeError) as error:
         print(f"pipelab run: {error}", file=sys.stderr)
         return 2

@@ -124,8 +124,7 @@ class DistributedPipeline:
             raise TypeError(f"schedule must be a name or a pipelab Schedule, got {type(schedule).__name__}")
         if schedule.n_devices != self.world_size:
             raise PipelineError(f"the schedule has {schedule.n_devices} devices but the process group has "
-                                f"{self.world_size} ranks; start one rank per device (--nproc-per-node "
-                                f"{schedule.n_devices})")
+                                f"{self.world_size} ranks; start one rank per device ({schedule.n_devices} processes)")
         if schedule.n_microbatches != self.n_microbatches:
             raise PipelineError(f"the schedule is for {schedule.n_microbatches} micro-batches, but "
                                 f"n_microbatches={self.n_microbatches}")

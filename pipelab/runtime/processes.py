@@ -48,21 +48,27 @@ class DistributedError(RuntimeError):
         super().__init__(f"{where} failed: {message}")
 
 
-def launch(fn: Callable, nproc: int, *args: Any, timeout_seconds: float = 120, backend: str = "gloo",
-           threads: int | None = 1) -> list:
+def launch(fn: Callable, nproc: int, *args: Any, timeout_seconds: float | None = 120,
+           wait_timeout_seconds: float | None = None, backend: str = "gloo", threads: int | None = 1) -> list:
     """Run `fn(*args)` on `nproc` fresh local ranks of one process group; return each rank's result, by rank.
 
-    Inside `fn`, `torch.distributed` is initialised (`backend`, with `timeout_seconds` as
-    the collectives' timeout) and torch uses `threads` intra-op threads per rank (None:
-    PyTorch's default).  If a rank raises, is killed, or is still running after
-    `timeout_seconds`, every rank is stopped and `DistributedError` says which rank and why.
+    Inside `fn`, `torch.distributed` is initialised (`backend`) and torch uses `threads`
+    intra-op threads per rank (None: PyTorch's default).  If a rank raises, is killed, or is
+    still running after `timeout_seconds` (None: no deadline), every rank is stopped and
+    `DistributedError` says which rank and why.  `wait_timeout_seconds` bounds one wait for
+    a message or a collective (the process group's timeout; default `timeout_seconds`, or
+    60 s without a deadline).  Call it from a script under `if __name__ == "__main__":`
+    (the ranks are new Python processes that import the script's module).
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 1:
         raise ValueError(f"nproc must be a positive int, got {nproc!r}")
     if not callable(fn):
         raise TypeError(f"launch runs a function on every rank; got {type(fn).__name__}")
-    if not timeout_seconds > 0:
-        raise ValueError(f"timeout_seconds must be positive, got {timeout_seconds!r}")
+    for name, value in (("timeout_seconds", timeout_seconds), ("wait_timeout_seconds", wait_timeout_seconds)):
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive (or None), got {value!r}")
+    if wait_timeout_seconds is None:
+        wait_timeout_seconds = 60 if timeout_seconds is None else timeout_seconds
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -72,25 +78,29 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_seconds: float = 120, b
                           start_method="spawn")
     with tempfile.TemporaryDirectory(prefix="pipelab-launch-") as reports, _quiet_agent():
         try:
-            results = elastic_launch(config, _rank_main)(payload, reports, timeout_seconds, backend, threads)
+            results = elastic_launch(config, _rank_main)(payload, reports, timeout_seconds, wait_timeout_seconds,
+                                                         backend, threads)
         except ChildFailedError as failed:
             raise _first_failure(Path(reports), failed) from None
     return [results[rank] for rank in range(nproc)]
 
 
-def _rank_main(payload: bytes, reports: str, timeout_seconds: float, backend: str, threads: int | None):
+def _rank_main(payload: bytes, reports: str, timeout_seconds: float | None, wait_timeout_seconds: float,
+               backend: str, threads: int | None):
     """What each rank runs: arm the watchdog, join the process group, run the function."""
     import torch
     import torch.distributed as dist
 
     rank = int(os.environ["RANK"])
-    watchdog = threading.Timer(timeout_seconds, _expire, (rank, reports, timeout_seconds))
-    watchdog.daemon = True
-    watchdog.start()
+    watchdog = None
+    if timeout_seconds is not None:
+        watchdog = threading.Timer(timeout_seconds, _expire, (rank, reports, timeout_seconds))
+        watchdog.daemon = True
+        watchdog.start()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_seconds))
+        dist.init_process_group(backend, timeout=timedelta(seconds=wait_timeout_seconds))
         fn, args = cloudpickle.loads(payload)
         return fn(*args)
     except BaseException as error:
@@ -98,7 +108,8 @@ def _rank_main(payload: bytes, reports: str, timeout_seconds: float, backend: st
                 consequence=_is_consequence(error))
         raise
     finally:
-        watchdog.cancel()
+        if watchdog is not None:
+            watchdog.cancel()
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -164,10 +175,12 @@ def _signal_name(number: int) -> str:
 @contextmanager
 def _quiet_agent():
     """The agent logs every failure as a long table; pipelab raises one DistributedError instead."""
-    logger = logging.getLogger("torch.distributed.elastic")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.CRITICAL)
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
