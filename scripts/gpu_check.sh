@@ -12,4 +12,7 @@ fi
 status=$?
 "$PY" benchmarks/engine_overhead.py --device cuda --width 4096 --batch-size 4096
 "$PY" -m pipelab run --device cuda --steps 20 --width 1024 --batch-size 512 --out "${OUT:-pipelab-out}"
+if [ "$("$PY" -c "import torch; print(torch.cuda.device_count())")" -ge 2 ]; then  # NCCL: one GPU per rank
+  "$PY" -m torch.distributed.run --nproc-per-node 2 -m pipelab.launch --device cuda --stages 2 --steps 20 --width 1024 --batch-size 512 --out "${OUT:-pipelab-out}"
+fi
 exit $status

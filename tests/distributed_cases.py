@@ -103,3 +103,13 @@ def both_receive_first() -> None:
 def report_pid() -> int:
     time.sleep(0.1)
     return os.getpid()
+
+
+def nccl_step(kind: str, schedule: str, n_microbatches: int) -> dict:
+    """One step on cuda:LOCAL_RANK over NCCL; gradients brought back to the CPU."""
+    model = make_model(kind)
+    x, y = pl.models.sample_batch(model, BATCH, seed=2)
+    pipe = pl.DistributedPipeline(model, n_microbatches, schedule, pl.models.default_loss(model))
+    result = pipe.step(x, y)
+    return {"loss": result.loss, "device": str(pipe.device), "source": result.trace.source,
+            "grads": {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}}

@@ -46,3 +46,24 @@ def test_auto_places_one_stage_per_gpu_or_shares():
     assert all(d.type == "cuda" for d in placed)
     assert len({d for d in placed}) == min(n_gpus, 4)
     assert [d.index for d in placed] == sorted(d.index for d in placed)  # neighbours share
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="the distributed engine on NCCL needs one GPU per rank")
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_distributed_engine_on_nccl_equals_single_device_step(schedule):
+    import distributed_cases as cases
+
+    n_ranks = min(torch.cuda.device_count(), 4)
+    per_rank = pl.distributed.launch(cases.nccl_step, n_ranks, "gpt", schedule, 6, backend="nccl", threads=None)
+    model = cases.make_model("gpt")
+    x, y = pl.models.sample_batch(model, cases.BATCH, seed=2)
+    ref_loss, ref_grads = reference(model, x, y, pl.models.default_loss(model))
+    names = [n for n, _ in model.named_parameters()]
+    assert [r["device"] for r in per_rank] == [f"cuda:{k}" for k in range(n_ranks)]
+    found = {}
+    for r in per_rank:
+        assert r["loss"] == pytest.approx(ref_loss, rel=1e-4) and r["source"] == "measured"
+        found.update(r["grads"])
+    assert sorted(found) == sorted(names)
+    for name, g in zip(names, ref_grads):
+        torch.testing.assert_close(found[name], g, rtol=1e-4, atol=1e-5)

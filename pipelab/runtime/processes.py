@@ -99,6 +99,8 @@ def _rank_main(payload: bytes, reports: str, timeout_seconds: float | None, wait
         watchdog.start()
     if threads is not None:
         torch.set_num_threads(threads)
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per rank
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=wait_timeout_seconds))
         fn, args = cloudpickle.loads(payload)
