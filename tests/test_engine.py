@@ -164,6 +164,15 @@ def test_an_error_inside_a_stage_names_the_stage_its_blocks_the_action_and_what_
     assert "stage 1 received stage 0's output of shape (4, 32)" in text
     assert "block 1 (Linear) expects 16 features" in text
 
+    # ... or whose dtype differs from what the previous stage sends
+    model = nn.Sequential(nn.Linear(16, 16).double(), nn.Linear(16, 4))
+    pipe = pl.Pipeline(model, 2, 2, schedule, nn.MSELoss(), devices="cpu")
+    pipe._warm = True
+    with pytest.raises(pl.PipelineError) as caught:
+        pipe.step(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 4))
+    assert "stage 1 received stage 0's output of shape (4, 16) (torch.float64)" in str(caught.value)
+    assert "block 1 (Linear) computes in torch.float32" in str(caught.value)
+
 
 def test_checkpointing_keeps_only_stage_inputs_between_f_and_b():
     model = pl.models.mlp(depth=8, width=32, seed=0)

@@ -113,21 +113,24 @@ class StageWorker:
 
 
 def _shape_hint(module: nn.Module, first_block: int, arrived: Any, from_stage: int | None, stage: int) -> str:
-    """Say what the stage's first block expected, when its first Linear or LayerNorm does not fit the input."""
+    """Say what the stage's first block expected, when its first Linear or LayerNorm does not fit the input
+    (its feature size, or its dtype)."""
     if not isinstance(arrived, torch.Tensor) or arrived.dim() == 0 or len(module) == 0:
         return ""
     block = module[0]
     layer = next((m for m in block.modules() if isinstance(m, (nn.Linear, nn.LayerNorm))), None)
-    expected = None
-    if isinstance(layer, nn.Linear):
-        expected = layer.in_features
-    elif isinstance(layer, nn.LayerNorm):
-        expected = layer.normalized_shape[-1]
-    if expected is None or arrived.shape[-1] == expected:
+    if layer is None:
         return ""
+    expected = layer.in_features if isinstance(layer, nn.Linear) else layer.normalized_shape[-1]
     origin = "the input batch" if from_stage is None else f"stage {from_stage}'s output"
-    return (f"stage {stage} received {origin} of shape {tuple(arrived.shape)} ({arrived.dtype}); "
-            f"block {first_block} ({type(block).__name__}) expects {expected} features in the last dimension")
+    got = f"stage {stage} received {origin} of shape {tuple(arrived.shape)} ({arrived.dtype}); "
+    if arrived.shape[-1] != expected:
+        return got + (f"block {first_block} ({type(block).__name__}) expects {expected} features "
+                      "in the last dimension")
+    weight = getattr(layer, "weight", None)
+    if weight is not None and arrived.dtype != weight.dtype:
+        return got + f"block {first_block} ({type(block).__name__}) computes in {weight.dtype}"
+    return ""
 
 
 class InProcessTransport:
