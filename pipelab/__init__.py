@@ -17,6 +17,7 @@ from .reference import max_gradient_difference, single_device_gradients
 from .runtime.local import Pipeline, StepResult
 from .runtime.distributed import DistributedPipeline
 from .runtime.processes import DistributedError
+from .runtime.checkpoint import CheckpointError
 from .simulate import simulate
 from .trace import Event, MemorySample, Message, Trace, Wait
 
@@ -32,6 +33,6 @@ def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked
 
 
 __all__ = [
-    "Action", "Costs", "DistributedError", "DistributedPipeline", "Event", "Message", "Wait", "distributed", "simulate", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
+    "Action", "CheckpointError", "Costs", "DistributedError", "DistributedPipeline", "Event", "Message", "Wait", "distributed", "simulate", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
     "StepResult", "Trace", "microbatch", "models", "plot", "schedules", "split",
 ]

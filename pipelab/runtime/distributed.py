@@ -33,6 +33,7 @@ from ..memory import activation_samples, checkpoint_plan
 from ..partition import Partition, balanced_bounds, split
 from ..schedules import by_name, validate
 from ..trace import Event, Message, Trace, Wait
+from . import checkpoint
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .local import StepResult, check_loss_fn, check_microbatch_count
@@ -150,6 +151,18 @@ class DistributedPipeline:
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (give them to the optimizer)."""
         return [p for s in self.stages for p in self.workers[s].parameters]
+
+    def save_checkpoint(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Save this rank's stage (and `optimizer`'s state) with torch.distributed.checkpoint; call on every rank.
+
+        Any layout reads it back: `load_checkpoint` on a pipeline of another depth, or
+        `pl.distributed.load_checkpoint(model, path, optimizer)` into one plain model.
+        """
+        checkpoint.save(self, path, optimizer)
+
+    def load_checkpoint(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+        """Load this rank's parameters (and `optimizer`'s state for them) from `path`; call on every rank."""
+        checkpoint.load(self, path, optimizer)
 
     def step(self, inputs: Any, targets: Any) -> StepResult:
         """One training step; call it on every rank with the same whole batch.

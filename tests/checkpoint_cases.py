@@ -1,0 +1,83 @@
+"""What the ranks run in tests/test_checkpoint.py (functions given to pl.distributed.launch).
+
+One launch of 4 ranks does it all, since starting ranks costs seconds: ranks 0 and 1 form a
+2-stage pipeline (a subgroup), train, save and resume; then all 4 ranks read the same
+checkpoint into a 4-stage pipeline.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import pipelab as pl
+from pipelab.runtime import checkpoint
+
+BATCH = 19  # prime: uneven micro-batches
+STEPS = 3  # Adam steps before the checkpoint
+MICROBATCHES = 4
+LR = 1e-2
+
+
+def make_model(seed: int = 1, depth: int = 8, width: int = 16):
+    return pl.models.mlp(depth=depth, width=width, seed=seed)
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A new batch for each step (so that a step's loss depends on the optimizer's state, not only on the weights)."""
+    model = make_model()
+    return [pl.models.sample_batch(model, BATCH, seed=10 + step) for step in range(STEPS + 2)]
+
+
+def train(pipe, optimizer, steps) -> list[float]:
+    losses = []
+    for x, y in steps:
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(pipe.step(x, y).loss)
+        optimizer.step()
+    return losses
+
+
+def fresh(schedule: str, group=None, depth: int = 8):
+    """A pipeline on another seed, with an Adam of another lr: whatever matches afterwards came from the checkpoint."""
+    model = make_model(seed=99, depth=depth)
+    pipe = pl.DistributedPipeline(model, MICROBATCHES, schedule, torch.nn.MSELoss(), group=group)
+    return pipe, torch.optim.Adam(pipe.parameters(), lr=5.0)
+
+
+def save_resume_and_reshard(path: str, model_only_path: str) -> dict:
+    """On 4 ranks; what this rank saw (losses, what it saved, the error of a wrong load)."""
+    data, found = batches(), {}
+    pair = dist.new_group([0, 1])  # every rank takes part in creating it
+    if dist.get_rank() < 2:
+        model = make_model()  # the reference: STEPS + 2 steps without interruption
+        pipe = pl.DistributedPipeline(model, MICROBATCHES, "1f1b", torch.nn.MSELoss(), group=pair)
+        optimizer = torch.optim.Adam(pipe.parameters(), lr=LR)
+        found["uninterrupted"] = train(pipe, optimizer, data)
+
+        model = make_model()  # an independent run, saved after STEPS steps
+        pipe = pl.DistributedPipeline(model, MICROBATCHES, "1f1b", torch.nn.MSELoss(), group=pair)
+        optimizer = torch.optim.Adam(pipe.parameters(), lr=LR)
+        train(pipe, optimizer, data[:STEPS])
+        checkpoint.save(pipe, path, optimizer)
+        checkpoint.save(pipe, model_only_path)
+        found["parameters"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
+        found["adam"] = {n: {k: v.clone() for k, v in optimizer.state[p].items()}
+                         for n, p in model.named_parameters() if p in optimizer.state}
+
+        pipe, optimizer = fresh("1f1b", pair)  # resume on the same 2 stages
+        checkpoint.load(pipe, path, optimizer)
+        found["resumed p=2"] = train(pipe, optimizer, data[STEPS:])
+    dist.barrier()  # the checkpoint is complete before the 4-stage pipeline reads it
+
+    pipe, optimizer = fresh("gpipe")  # 4 stages (and another schedule) read the 2-stage checkpoint
+    checkpoint.load(pipe, path, optimizer)
+    found["resumed p=4"] = train(pipe, optimizer, data[STEPS:])
+    found["stages"] = (pipe.stages, pipe.partition.bounds)
+
+    pipe, _ = fresh("gpipe", depth=9)  # another model: every rank refuses it alike, before communicating
+    try:
+        checkpoint.load(pipe, path)
+    except checkpoint.CheckpointError as error:
+        found["wrong model"] = str(error)
+    return found
