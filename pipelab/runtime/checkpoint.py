@@ -34,14 +34,25 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from ..errors import PipelineError
 
 # hyper-parameters that name the parameters of a group: they belong to one layout, so they are not saved
 _GROUP_KEYS_NOT_SAVED = ("params", "param_names")
+
+
+def _dcp():
+    """torch.distributed.checkpoint, imported when first used: it adds about a second to `import pipelab`."""
+    import torch.distributed.checkpoint
+
+    return torch.distributed.checkpoint
+
+
+def _is_tensor_entry(entry) -> bool:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    return _is_tensor_entry(entry)
 
 
 class CheckpointError(PipelineError):
@@ -58,7 +69,7 @@ def save(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None 
     state = {"model": _owned(pipe.model)}
     if optimizer is not None:
         state["optim"] = _flat_optimizer_state(pipe.model, optimizer)
-    dcp.save(state, checkpoint_id=Path(path), process_group=pipe.group)
+    _dcp().save(state, checkpoint_id=Path(path), process_group=pipe.group)
 
 
 def load(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -88,7 +99,7 @@ def _load(model: nn.Module, path, optimizer, group) -> None:
         state["optim"] = _empty_optimizer_state(model, optimizer, saved, path)
     with warnings.catch_warnings():  # no_dist=True still warns that there is no process group: that is the point
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
-        dcp.load(state, checkpoint_id=Path(path), process_group=group, no_dist=group is None)
+        _dcp().load(state, checkpoint_id=Path(path), process_group=group, no_dist=group is None)
     if optimizer is not None:
         optimizer.load_state_dict(_unflatten(model, optimizer, state["optim"]))
 
@@ -110,8 +121,8 @@ def _check_model(model: nn.Module, saved: dict, path) -> None:
                               "Was it saved from another model?")
     for name, tensor in expected.items():
         entry = saved[f"model.{name}"]
-        if not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != tuple(tensor.shape):
-            found = f"shape {tuple(entry.size)}" if isinstance(entry, TensorStorageMetadata) else "no tensor"
+        if not _is_tensor_entry(entry) or tuple(entry.size) != tuple(tensor.shape):
+            found = f"shape {tuple(entry.size)}" if _is_tensor_entry(entry) else "no tensor"
             raise CheckpointError(f"'{name}' has shape {tuple(tensor.shape)} in the model but {found} in the "
                                   f"checkpoint at {path}: it was saved from another model")
 
@@ -165,7 +176,7 @@ def _empty_optimizer_state(model: nn.Module, optimizer, saved: dict, path) -> di
             for key in saved_by_name[("param_groups", name)] + saved_by_name.get(("state", name), []):
                 entry = saved[f"optim.{key}"]
                 wanted[key] = (torch.empty(entry.size, dtype=entry.properties.dtype)
-                               if isinstance(entry, TensorStorageMetadata) else None)  # (None: a number, read as such)
+                               if _is_tensor_entry(entry) else None)  # (None: a number, read as such)
     return wanted
 
 
@@ -219,4 +230,4 @@ def _read_metadata(path):
     if not (path / ".metadata").is_file():
         raise CheckpointError(f"{path} is not a pipelab checkpoint (a torch.distributed.checkpoint directory): it "
                               "has no .metadata file (rank 0 writes it last: did the save finish?)")
-    return dcp.FileSystemReader(path).read_metadata()
+    return _dcp().FileSystemReader(path).read_metadata()
