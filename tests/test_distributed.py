@@ -79,6 +79,7 @@ def test_the_trace_is_measured_on_every_rank_and_shows_the_waits():
     for k, sched in enumerate([pl.schedules.one_f_one_b(2, 8), schedule]):
         traces = [rank[k]["trace"] for rank in per_rank]
         trace = traces[0]
+        slack = max(rank[k]["offset"][1] for rank in per_rank) * 2  # times of two ranks compare to within this
         assert traces[1].events == trace.events  # every rank returns the same complete trace
         assert trace.source == "measured" and trace.n_processes == 2
         assert "2 processes" in trace.source_label
@@ -91,13 +92,13 @@ def test_the_trace_is_measured_on_every_rank_and_shows_the_waits():
         end = {e.action: e.end for e in trace.events}
         for e in trace.events:
             if e.kind == "F" and e.stage > 0:
-                assert e.start >= end[pl.Action("F", e.stage - 1, e.microbatch)]
+                assert e.start >= end[pl.Action("F", e.stage - 1, e.microbatch)] - slack
             if e.kind == "B" and e.stage < 1:
-                assert e.start >= end[pl.Action("B", e.stage + 1, e.microbatch)]
+                assert e.start >= end[pl.Action("B", e.stage + 1, e.microbatch)] - slack
         # one wait and one message per received activation or gradient: 2 per micro-batch here
         assert len(trace.waits) == len(trace.messages) == 2 * sched.n_microbatches
         for message in trace.messages:
-            assert message.sent <= message.received + 1e-4  # (offset error: microseconds)
+            assert message.sent <= message.received + slack
             assert message.source_device != message.target_device
     assert trace.peak_inflight == [3, 1]  # stage 0 keeps all 3 micro-batches, stage 1 one at a time
 

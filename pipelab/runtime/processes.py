@@ -76,7 +76,7 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_seconds: float | None =
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipelab-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.05,
                           start_method="spawn")
-    with tempfile.TemporaryDirectory(prefix="pipelab-launch-") as reports, _quiet_agent():
+    with tempfile.TemporaryDirectory(prefix="pipelab-launch-") as reports, _quiet_agent(), _own_signal_handlers():
         try:
             results = elastic_launch(config, _rank_main)(payload, reports, timeout_seconds, wait_timeout_seconds,
                                                          backend, threads)
@@ -172,6 +172,21 @@ def _signal_name(number: int) -> str:
         return signal.Signals(number).name
     except ValueError:
         return "unknown signal"
+
+
+@contextmanager
+def _own_signal_handlers():
+    """The agent installs handlers for SIGTERM, SIGINT, SIGHUP and SIGQUIT in the caller and leaves them;
+    put the caller's back (a notebook kernel shut down later would otherwise print a traceback)."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = {s: signal.getsignal(s) for s in (getattr(signal, n) for n in names if hasattr(signal, n))}
+    try:
+        yield
+    finally:
+        if threading.current_thread() is threading.main_thread():
+            for number, handler in saved.items():
+                if handler is not None:
+                    signal.signal(number, handler)
 
 
 @contextmanager
