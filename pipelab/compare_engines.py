@@ -323,34 +323,6 @@ def time_per_rank(trace: Trace) -> list[dict[str, float]]:
     return rows
 
 
-def stacked_timelines(traces: dict[str, Trace], title: str | None = None):
-    """Timelines one above the other on one time axis (ms), each titled with its label (unless the label is
-    its source), where its times came from, its step time and its bubble; returns the Figure."""
-    import matplotlib.pyplot as plt
-
-    from . import plot
-
-    if not traces or not all(isinstance(t, Trace) for t in traces.values()):
-        raise TypeError("stacked_timelines expects a dict of label -> pipelab Trace")
-    rows = sum(t.n_devices for t in traces.values())
-    fig, axes = plt.subplots(len(traces), 1, figsize=(10, 0.55 * rows + 1.1 * len(traces) + 0.8), sharex=True,
-                             squeeze=False)
-    span = max(t.makespan for t in traces.values()) * 1e3
-    for k, (ax, (label, trace)) in enumerate(zip(axes[:, 0], traces.items())):
-        name = trace.source_label if label == trace.source else f"{label} — {trace.source_label}"
-        plot.timeline(trace, ax=ax, title=f"{name}: step {trace.makespan * 1e3:.1f} ms, bubble {trace.bubble_fraction:.1%}")
-        if ax.get_xlabel() != "time (ms)":  # every lesson trace is under 10 s, drawn in ms
-            raise ValueError(f"{label}: a step of {trace.makespan:.3g} s is too long to stack in ms")
-        if k < len(traces) - 1:
-            ax.get_legend().remove()
-            ax.set_xlabel("")
-    axes[0, 0].set_xlim(0, span)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    return fig
-
-
 def step_with_wrong_targets(width: int = 64, depth: int = 4, batch_size: int = 16, n_microbatches: int = 4) -> None:
     """A bug only the last rank meets (give it to `pl.distributed.launch`): targets of the wrong width.
 

@@ -257,17 +257,33 @@ def compare(predicted: Trace, measured: Trace, labels: tuple[str, str] = ("predi
     for trace in (predicted, measured):
         if not isinstance(trace, Trace):
             raise TypeError(f"compare expects two pipelab Traces, got {type(trace).__name__}")
-    fig, axes = plt.subplots(2, 1, figsize=(10, 0.5 * (predicted.n_devices + measured.n_devices) + 3), sharex=True)
-    both_simulated = predicted.source == measured.source == "simulated"
-    scale, unit = _time_unit(max(predicted.makespan, measured.makespan), "simulated" if both_simulated else "measured")
-    for ax, trace, label in zip(axes, (predicted, measured), labels):
+    return stacked({labels[0]: predicted, labels[1]: measured})
+
+
+def stacked(traces: dict[str, Trace], title: str | None = None):
+    """Timelines one above the other on one time axis, each titled with its label, where its times came
+    from (said once when the label is its source), its makespan and its bubble; one legend, at the bottom."""
+    if not traces or not all(isinstance(t, Trace) for t in traces.values()):
+        raise TypeError("stacked expects a dict of label -> pipelab Trace")
+    rows = sum(t.n_devices for t in traces.values())
+    fig, axes = plt.subplots(len(traces), 1, figsize=(10, 0.5 * rows + 1.1 * len(traces) + 0.8), sharex=True,
+                             squeeze=False)
+    axes = axes[:, 0]
+    all_simulated = all(t.source == "simulated" for t in traces.values())
+    longest = max(t.makespan for t in traces.values())
+    scale, unit = _time_unit(longest, "simulated" if all_simulated else "measured")
+    for ax, (label, trace) in zip(axes, traces.items()):
         _draw(ax, trace, scale)
-        ax.set_title(f"{label} — {trace.source_label}: makespan {trace.makespan * scale:.4g} "
-                     f"{unit.split('(')[1].rstrip(')')}, bubble {trace.bubble_fraction:.1%}", fontsize=10)
-    axes[0].set_xlim(0, max(predicted.makespan, measured.makespan) * scale)
+        name = trace.source_label if label == trace.source else f"{label} — {trace.source_label}"
+        ax.set_title(f"{name}: makespan {trace.makespan * scale:.4g} {unit.split('(')[1].rstrip(')')}, "
+                     f"bubble {trace.bubble_fraction:.1%}", fontsize=10)
+    axes[0].set_xlim(0, longest * scale if longest > 0 else 1)
     axes[-1].set_xlabel(unit)
-    _legend(axes[-1], predicted.events + measured.events, n_rows=measured.n_devices,
-            communication=bool(measured.waits or measured.messages))
+    every = list(traces.values())
+    _legend(axes[-1], [e for t in every for e in t.events], n_rows=every[-1].n_devices,
+            communication=any(t.waits or t.messages for t in every))
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
 

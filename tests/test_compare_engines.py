@@ -87,22 +87,6 @@ def test_the_prediction_uses_the_profiled_costs(three):
     assert three.predicted.makespan == pytest.approx(pl.simulate(pl.schedules.one_f_one_b(2, 4), three.costs).makespan)
 
 
-def test_stacked_timelines_share_one_axis_and_one_legend(three):
-    import matplotlib.pyplot as plt
-
-    fig = ce.stacked_timelines(three.traces, title="three ways")
-    axes = fig.axes
-    assert len(axes) == 3
-    assert [ax.get_legend() is not None for ax in axes] == [False, False, True]
-    assert axes[0].get_xlim() == axes[2].get_xlim()
-    assert axes[0].get_xlim()[1] == pytest.approx(max(t.makespan for t in three.traces.values()) * 1e3)
-    assert axes[0].get_title().startswith("predicted — simulated")
-    assert axes[2].get_title().startswith("measured (wall clock, 2 processes): step")  # label = source: said once
-    plt.close(fig)
-    with pytest.raises(TypeError, match="label -> pipelab Trace"):
-        ce.stacked_timelines({"x": "not a trace"})
-
-
 def test_the_widget_runs_for_real_on_one_process():
     box = ce.processes_widget(steps=3, **SMALL)
     controls = box.controls

@@ -19,7 +19,8 @@ task's mutants at once (``--impl a,b,c`` parametrizes them), so torch is importe
 per task.  Tasks whose tests do not import torch share one subprocess (starting it costs
 more than their tests), in which ``-k`` keeps each test file from meeting the other
 tasks' mutants.  The subprocesses start together (as many at once as there are CPUs, at
-most 4) when the first test needs one.
+most 4) when the first test needs one; the runs of tasks graded on several processes
+(``pl.distributed.launch``, task 4.1) go first, as they take longest.
 
 Once you work on exercises/ yourself, the stub checks are skipped (your work is graded
 by ``pipelab grade``); with the environment variable CI set they always apply.
@@ -64,14 +65,20 @@ def hangs(mutant: Path) -> bool:
     return mutant.name.endswith("_hangs")
 
 
+def task_test_source(task: str) -> str:
+    return (ROOT / "tests" / "tasks" / f"test_{grade.marker(task)}.py").read_text(encoding="utf-8")
+
+
 def run_of_task(task: str) -> str:
     """The run that holds a task's tests: its own when they import torch (those runs are
     the long ones, and go side by side), else the run shared by every such task."""
-    source = (ROOT / "tests" / "tasks" / f"test_{grade.marker(task)}.py").read_text(encoding="utf-8")
+    source = task_test_source(task)
     return task if re.search(r"^(import|from) torch\b", source, flags=re.MULTILINE) else "without torch"
 
 
 RUNS = {task: run_of_task(task) for task in TASKS}
+# Runs whose tests start ranks (seconds per launch, one launch per implementation) take longest.
+LAUNCHING_RUNS = {RUNS[task] for task in TASKS if "distributed.launch(" in task_test_source(task)}
 
 
 def run_name(mutant: Path) -> str:
@@ -104,7 +111,8 @@ def runs(request):
         mutant = callspec.params.get("mutant") if callspec else None
         needed |= {run_name(mutant)} if mutant else set(RUNS.values())
     pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 2))
-    yield {name: pool.submit(grade.run_task_tests, **job) for name, job in jobs.items() if name in needed}
+    first = sorted(jobs, key=lambda name: name not in LAUNCHING_RUNS)  # stable: the rest in order
+    yield {name: pool.submit(grade.run_task_tests, **jobs[name]) for name in first if name in needed}
     pool.shutdown(cancel_futures=True)
 
 

@@ -77,6 +77,19 @@ def test_compare_stacks_two_traces_on_one_axis():
         pl.plot.compare(predicted, None)
 
 
+def test_stacked_draws_any_number_of_traces_on_one_axis_with_one_legend():
+    traces = {"predicted": two_device_trace("simulated"), "replayed": two_device_trace("replayed"),
+              "measured": two_device_trace("replayed")}
+    fig = pl.plot.stacked(traces, title="three ways")
+    axes = fig.axes
+    assert len(axes) == 3 and [ax.get_legend() is not None for ax in axes] == [False, False, True]
+    assert axes[0].get_xlim() == axes[2].get_xlim()
+    assert axes[0].get_title().startswith("predicted — simulated")
+    assert axes[1].get_title().startswith("measured op times")  # label = source: said once
+    with pytest.raises(TypeError, match="label -> pipelab Trace"):
+        pl.plot.stacked({"x": "not a trace"})
+
+
 def test_bubble_plot_draws_formula_lines_and_simulated_points():
     ax = pl.plot.bubble_vs_microbatches(stages=(2, 4), max_microbatches=8).axes[0]
     lines = ax.get_lines()

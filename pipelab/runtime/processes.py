@@ -192,7 +192,8 @@ def _own_signal_handlers():
 @contextmanager
 def _quiet_agent():
     """The agent logs every failure as a long table; pipelab raises one DistributedError instead."""
-    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn")]
+    loggers = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torch.multiprocessing.spawn",
+                                                    "torchelastic-events-null")]
     levels = [logger.level for logger in loggers]
     for logger in loggers:
         logger.setLevel(logging.CRITICAL)
