@@ -68,9 +68,14 @@ def run(args: argparse.Namespace) -> int:
         if args.backend == "local":
             summary = train_local(args)
         else:
+            import torch
+
             nproc = args.stages if args.nproc is None else args.nproc
+            gpus = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+            if gpus:
+                args.device = "auto"  # each rank takes cuda:LOCAL_RANK
             summary = launch(train_rank, nproc, args, timeout_seconds=None, wait_timeout_seconds=args.timeout_seconds,
-                             threads=None)[0]
+                             backend="nccl" if gpus else "gloo", threads=None)[0]
     except (ValueError, TypeError) as error:
         print(f"pipelab run: {error}", file=sys.stderr)
         return 2

@@ -74,23 +74,16 @@ def wrong_feature_size() -> None:
     pipe.step(torch.randn(8, 7), torch.randn(8, 16))
 
 
-def one_rank_raises(failing_rank: int) -> None:
+def one_rank_fails(failing_rank: int, how: str) -> None:
+    """One good step, then `failing_rank` raises or kills itself ("raise" / "kill"); the others wait for it."""
     model = make_model("mlp")
     pipe = pl.DistributedPipeline(model, 4, "1f1b", torch.nn.MSELoss())
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     pipe.step(x, y)
     if dist.get_rank() == failing_rank:
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"rank {failing_rank} gives up on purpose")
-    pipe.step(x, y)  # the others wait for the failing rank's messages
-
-
-def one_rank_is_killed(killed_rank: int) -> None:
-    model = make_model("mlp")
-    pipe = pl.DistributedPipeline(model, 4, "1f1b", torch.nn.MSELoss())
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
-    pipe.step(x, y)
-    if dist.get_rank() == killed_rank:
-        os.kill(os.getpid(), signal.SIGKILL)
     pipe.step(x, y)
 
 

@@ -136,18 +136,18 @@ def test_a_stage_error_names_the_rank_stage_blocks_action_and_the_block_that_exp
 def test_a_rank_that_raises_ends_the_run_fast_with_its_own_message(failing_rank):
     begin = time.monotonic()
     with pytest.raises(pl.DistributedError) as caught:
-        pl.distributed.launch(cases.one_rank_raises, 2, failing_rank, timeout_seconds=120)
+        pl.distributed.launch(cases.one_rank_fails, 2, failing_rank, "raise", timeout_seconds=120)
     assert time.monotonic() - begin < 30
     assert caught.value.rank == failing_rank
     assert caught.value.message == f"RuntimeError: rank {failing_rank} gives up on purpose"
-    assert "one_rank_raises" in caught.value.details  # that rank's traceback
+    assert "one_rank_fails" in caught.value.details  # that rank's traceback
     assert no_children_left() == []
 
 
 def test_a_killed_rank_ends_the_run_naming_it_with_no_process_left():
     begin = time.monotonic()
     with pytest.raises(pl.DistributedError) as caught:
-        pl.distributed.launch(cases.one_rank_is_killed, 2, 1, timeout_seconds=120)
+        pl.distributed.launch(cases.one_rank_fails, 2, 1, "kill", timeout_seconds=120)
     assert time.monotonic() - begin < 60
     assert caught.value.rank == 1 and "SIGKILL" in str(caught.value)
     assert no_children_left() == []

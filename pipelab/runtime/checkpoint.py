@@ -52,7 +52,7 @@ def _dcp():
 def _is_tensor_entry(entry) -> bool:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    return _is_tensor_entry(entry)
+    return isinstance(entry, TensorStorageMetadata)
 
 
 class CheckpointError(PipelineError):
