@@ -29,6 +29,7 @@ from torch import nn
 from .. import microbatch
 from ..actions import Action, Schedule
 from ..errors import PipelineError
+from ..gc_pause import gc_paused
 from ..memory import activation_samples, checkpoint_plan
 from ..partition import Partition, balanced_bounds, split
 from ..schedules import by_name, validate
@@ -184,8 +185,9 @@ class DistributedPipeline:
         clock = ActionClock([self.device])
 
         step_begin = time.perf_counter()
-        run_actions(self.schedule.actions[self.rank], self.workers, self.transport, clock)
-        self.transport.finish()
+        with gc_paused():  # a full collection (~25 ms with torch loaded) on one rank would stall the others
+            run_actions(self.schedule.actions[self.rank], self.workers, self.transport, clock)
+            self.transport.finish()
         table = self._exchange(self._record(clock))
         wall_seconds = time.perf_counter() - step_begin
 
