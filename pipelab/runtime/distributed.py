@@ -199,20 +199,19 @@ class DistributedPipeline:
         """This rank's row of the step table: one line per action, the COLUMNS, times on rank 0's clock."""
         intervals, waits, sent = clock.intervals(), self.transport.waits, self.transport.sent_at
         offset = self.clock_offset
-        row = self.schedule.actions[self.rank]
-        table = torch.full((max(map(len, self.schedule.actions)), len(COLUMNS)), math.nan, dtype=torch.float64)
-        for k, action in enumerate(row):
-            worker = self.workers[action.stage]
+        rows = []
+        for action in self.schedule.actions[self.rank]:
+            worker, i = self.workers[action.stage], action.microbatch
             start, end = intervals[action]
             wait = waits.get(action, (math.nan, math.nan))
-            i = action.microbatch
             loss = worker.losses[i] if action.kind == "F" and worker.is_last else math.nan
-            table[k] = torch.tensor([start + offset, end + offset, wait[0] + offset, wait[1] + offset,
-                                     sent.get(action, math.nan) + offset,
-                                     worker.saved_bytes[i] if action.kind == "F" else math.nan,
-                                     worker.recomputed_bytes.get(i, 0) if action.kind == "B" else math.nan,
-                                     float(loss)], dtype=torch.float64)
-        return table
+            rows.append([start + offset, end + offset, wait[0] + offset, wait[1] + offset,
+                         sent.get(action, math.nan) + offset,
+                         worker.saved_bytes[i] if action.kind == "F" else math.nan,
+                         worker.recomputed_bytes.get(i, 0) if action.kind == "B" else math.nan, float(loss)])
+        longest = max(map(len, self.schedule.actions))  # every rank sends a table of the same size
+        rows += [[math.nan] * len(COLUMNS)] * (longest - len(rows))
+        return torch.tensor(rows, dtype=torch.float64)
 
     def _exchange(self, table: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's table, on every rank (one all_gather)."""
