@@ -28,7 +28,6 @@ import math
 import shlex
 import time
 import warnings
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +38,7 @@ from .reference import single_device_gradients
 from .runtime.loop import producer
 from .runtime.processes import DistributedError
 from .simulate import simulate
+from .threads import intra_op_threads
 from .trace import Trace, Wait
 
 # The lesson's model: eight Linear+GELU blocks of width 512, a batch of 1024 samples.  With
@@ -58,17 +58,6 @@ PROCESS_LIMITS = {"n_processes": 4, "n_microbatches": 16}
 def formula_speedup(n_stages: int, n_microbatches: int) -> float:
     """p·m / (m + p - 1): the speed-up of p equal stages over one device, free links (GPipe §2.3)."""
     return n_stages * n_microbatches / (n_microbatches + n_stages - 1)
-
-
-@contextmanager
-def _torch_threads(n: int):
-    """Run the block with `n` intra-op threads, then restore the caller's setting."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def _workload(width: int, depth: int, batch_size: int, seed: int = 0):
@@ -91,7 +80,7 @@ def one_process_seconds(model, inputs, targets, loss_fn, n_microbatches: int, st
     chunks = list(zip(microbatch.split(inputs, n_microbatches), microbatch.split(targets, n_microbatches),
                       microbatch.sizes(total, n_microbatches)))
     seconds = []
-    with _torch_threads(1):
+    with intra_op_threads(1):
         for _ in range(steps + 1):
             model.zero_grad(set_to_none=True)
             begin = time.perf_counter()
@@ -239,7 +228,7 @@ def run_on_processes(n_processes: int = 2, n_microbatches: int = 8, schedule: st
                       timeout_seconds=timeout_seconds)
     launch_seconds = time.perf_counter() - begin
     model, inputs, targets, loss_fn = _workload(width, depth, batch_size)
-    with _torch_threads(1):
+    with intra_op_threads(1):
         single_loss, _ = single_device_gradients(model, inputs, targets, loss_fn)
     return ProcessRun(
         n_processes, n_microbatches, schedule, per_rank[0]["traces"][1:], [r["loss"] for r in per_rank],
@@ -281,7 +270,7 @@ def three_ways(n_processes: int = 2, n_microbatches: int = 8, schedule: str = "1
 
     real = run_on_processes(n_processes, n_microbatches, schedule, width, depth, batch_size, steps)
     model, inputs, targets, loss_fn = _workload(width, depth, batch_size)
-    with _torch_threads(1):
+    with intra_op_threads(1):
         pipe = Pipeline(model, n_processes, n_microbatches, schedule, loss_fn, devices="cpu")
         results = []
         for _ in range(steps):

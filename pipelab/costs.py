@@ -24,6 +24,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .runtime import stage as stage_ops
+from .threads import intra_op_threads
 
 PerStage = float | Sequence[float]
 
@@ -66,13 +67,20 @@ class Costs:
 
     @classmethod
     def from_profile(cls, model, parts, sample_batch: tuple[Any, Any], loss_fn: Callable,
-                     repeats: int = 5, latency: float = 0.0, bandwidth: float = math.inf) -> "Costs":
+                     repeats: int = 5, latency: float = 0.0, bandwidth: float = math.inf,
+                     threads: int | None = 1) -> "Costs":
         """Measure forward/backward seconds (median of `repeats`), bytes sent and kept, per stage.
 
         `parts` is a `pl.split` result of `model`; `sample_batch` = (inputs, targets) of ONE
         micro-batch.  Uses the engine's own stage forward/backward, so what is measured is
-        what the engine runs.  The model's `.grad` is restored afterwards.
+        what the engine runs.  The model's `.grad` is restored afterwards.  The ops run on
+        `threads` intra-op threads (default 1, like the engine's step; None: the caller's setting).
         """
+        with intra_op_threads(threads):
+            return cls._profile(model, parts, sample_batch, loss_fn, repeats, latency, bandwidth)
+
+    @classmethod
+    def _profile(cls, model, parts, sample_batch, loss_fn, repeats, latency, bandwidth) -> "Costs":
         inputs, targets = sample_batch
         saved_grads = [p.grad for p in model.parameters()]
         for p in model.parameters():  # profile into fresh .grad tensors, then put the caller's back

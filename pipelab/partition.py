@@ -21,6 +21,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .threads import intra_op_threads
+
 METHODS = ("uniform", "params", "time")
 
 
@@ -121,12 +123,14 @@ def measured_times(model: nn.Sequential, sample: Any, repeats: int = 5) -> list[
     return [statistics.median(t) for t in times]
 
 
-def split(model: nn.Module, n_stages: int, method: str = "uniform", sample: Any = None) -> Partition:
+def split(model: nn.Module, n_stages: int, method: str = "uniform", sample: Any = None,
+          threads: int | None = 1) -> Partition:
     """Split `model` (an `nn.Sequential` of blocks) into `n_stages` contiguous stages.
 
     The stages are slices of `model`: they share its parameters, so gradients computed
     through the stages land in `model.parameters()`.  method="time" needs `sample`, an
-    input batch for the first block.
+    input batch for the first block, and times the blocks on `threads` intra-op threads
+    (default 1; None: the caller's setting).
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(
@@ -148,7 +152,8 @@ def split(model: nn.Module, n_stages: int, method: str = "uniform", sample: Any 
             if sample is None:
                 raise ValueError('method="time" measures each block, so pass sample=<an input batch>')
             was_training = model.training
-            costs = measured_times(model, sample)
+            with intra_op_threads(threads):
+                costs = measured_times(model, sample)
             model.train(was_training)
         bounds = balanced_bounds(costs, n_stages)
     stages = [model[a:b] for a, b in bounds]

@@ -35,6 +35,7 @@ from ..timing import run_dependencies
 from ..trace import Event, MemorySample, Trace
 from . import stage as stage_ops
 from .clock import ActionClock
+from ..threads import check_threads, intra_op_threads
 from .devices import assign_devices
 from .loop import InProcessTransport, StageWorker, to_device, run_actions
 
@@ -76,14 +77,18 @@ class Pipeline:
         checkpoint: activation checkpointing per stage: "never", "always", "except_last"
             (the last stage runs B right after F in 1F1B, so recomputing there saves little)
             or a list of booleans, one per stage.
+        threads: PyTorch intra-op threads while a step runs (default 1: timings that hold when
+            something else uses a core; restored after the step); None keeps the caller's.
     """
 
     def __init__(self, model: nn.Module, n_stages: int, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, devices: Any = "auto", split_method: str | Partition = "uniform",
-                 sample: Any = None, checkpoint: str | list[bool] = "never"):
+                 sample: Any = None, checkpoint: str | list[bool] = "never", threads: int | None = 1):
         check_loss_fn(loss_fn)
         check_microbatch_count(n_microbatches)
-        self.partition = split_method if isinstance(split_method, Partition) else split(model, n_stages, split_method, sample)
+        self.threads = check_threads(threads)
+        self.partition = (split_method if isinstance(split_method, Partition)
+                          else split(model, n_stages, split_method, sample, threads=threads))
         if len(self.partition) != n_stages:
             raise PipelineError(f"the partition has {len(self.partition)} stages, not n_stages={n_stages}")
         self.model, self.loss_fn = model, loss_fn
@@ -121,6 +126,10 @@ class Pipeline:
 
     def step(self, inputs: Any, targets: Any) -> StepResult:
         """One training step: gradients of the mean loss over the batch are *added* to `.grad` (zero them first)."""
+        with intra_op_threads(self.threads):
+            return self._step(inputs, targets)
+
+    def _step(self, inputs: Any, targets: Any) -> StepResult:
         total = microbatch.batch_size(inputs)
         if microbatch.batch_size(targets) != total:
             raise ValueError(f"inputs hold {total} samples but targets hold {microbatch.batch_size(targets)}")
