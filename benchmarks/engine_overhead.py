@@ -49,7 +49,7 @@ def main() -> None:
     wall, op = statistics.median(walls), statistics.median(ops)
     overhead = statistics.median(w - o for w, o in zip(walls, ops))
     print(f"engine overhead: MLP depth 8 width {args.width}, batch {args.batch_size}, p=4, m=8, {args.schedule}, "
-          f"{args.device}, torch {torch.__version__}, {torch.get_num_threads()} threads, {args.steps} steps")
+          f"{args.device}, torch {torch.__version__}, {pipe.threads or torch.get_num_threads()} intra-op thread(s) in the step, {args.steps} steps")
     print(f"  shortest op            {statistics.median(shortest) * 1e3:8.2f} ms (target: >= 1 ms)")
     print(f"  step wall time         {wall * 1e3:8.2f} ms")
     print(f"  sum of op times        {op * 1e3:8.2f} ms")

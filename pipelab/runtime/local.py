@@ -34,8 +34,8 @@ from ..schedules import by_name, validate
 from ..timing import run_dependencies
 from ..trace import Event, MemorySample, Trace
 from . import stage as stage_ops
-from .clock import ActionClock
 from ..threads import check_threads, intra_op_threads
+from .clock import ActionClock
 from .devices import assign_devices
 from .loop import InProcessTransport, StageWorker, to_device, run_actions
 

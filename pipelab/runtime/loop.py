@@ -147,7 +147,8 @@ class InProcessTransport:
     def send(self, action: Action, tensor: torch.Tensor | None) -> None:
         target = consumer_stage(action, self.n_stages)
         if target is not None:
-            self.box[action] = tensor.to(self.devices[target])
+            device = self.devices[target]  # (.to on the same device costs microseconds for nothing)
+            self.box[action] = tensor if tensor.device == device else tensor.to(device)
 
 
 def run_actions(actions: Iterable[Action], workers: dict[int, StageWorker], transport, clock) -> None:
