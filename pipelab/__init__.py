@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked for
-    if name in ("plot", "widgets", "distributed", "compare_engines"):
+    if name in ("plot", "widgets", "distributed", "compare_engines", "quiz"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
@@ -34,5 +34,5 @@ def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked
 
 __all__ = [
     "Action", "CheckpointError", "Costs", "DistributedError", "DistributedPipeline", "Event", "Message", "Wait", "compare_engines", "distributed", "simulate", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
-    "StepResult", "Trace", "microbatch", "models", "plot", "schedules", "split",
+    "StepResult", "Trace", "microbatch", "models", "plot", "quiz", "schedules", "split",
 ]
