@@ -16,7 +16,6 @@ A message between stages s and s+1 takes  latency + activation_bytes[s] / bandwi
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -69,13 +68,18 @@ class Costs:
     def from_profile(cls, model, parts, sample_batch: tuple[Any, Any], loss_fn: Callable,
                      repeats: int = 5, latency: float = 0.0, bandwidth: float = math.inf,
                      threads: int | None = 1) -> "Costs":
-        """Measure forward/backward seconds (median of `repeats`), bytes sent and kept, per stage.
+        """Measure forward/backward seconds, bytes sent and kept, per stage.
 
         `parts` is a `pl.split` result of `model`; `sample_batch` = (inputs, targets) of ONE
         micro-batch.  Uses the engine's own stage forward/backward, so what is measured is
         what the engine runs.  The model's `.grad` is restored afterwards.  The ops run on
         `threads` intra-op threads (default 1, like the engine's step; None: the caller's setting).
+
+        Each stage's forward and backward seconds are the best (minimum) of `repeats` runs:
+        other work on the machine, a cold cache or a page fault only ever add time, so the
+        fastest run is the closest to what the ops cost.
         """
+        check_repeats(repeats)
         with intra_op_threads(threads):
             return cls._profile(model, parts, sample_batch, loss_fn, repeats, latency, bandwidth)
 
@@ -113,9 +117,16 @@ class Costs:
                 backward[s].append(_now(device) - begin)
         for p, g in zip(model.parameters(), saved_grads):
             p.grad = g
-        return cls(forward=[statistics.median(t) for t in forward], backward=[statistics.median(t) for t in backward],
+        return cls(forward=[min(t) for t in forward], backward=[min(t) for t in backward],
                    latency=latency, bandwidth=bandwidth, activation_bytes=sent, memory_bytes=kept,
                    input_bytes=received)
+
+
+def check_repeats(repeats) -> int:
+    """`repeats` of a timed profile: a positive int."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int (the profile keeps the fastest run), got {repeats!r}")
+    return repeats
 
 
 def _now(device: torch.device) -> float:

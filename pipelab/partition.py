@@ -13,7 +13,6 @@ solved exactly by dynamic programming in O(p n^2) (a greedy fill can be far off)
 from __future__ import annotations
 
 import math
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -21,6 +20,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from .costs import check_repeats
 from .threads import intra_op_threads
 
 METHODS = ("uniform", "params", "time")
@@ -102,7 +102,9 @@ def parameter_counts(model: nn.Sequential) -> list[float]:
 
 
 def measured_times(model: nn.Sequential, sample: Any, repeats: int = 5) -> list[float]:
-    """Median forward + backward seconds of each block on `sample` (inputs of the first block)."""
+    """Forward + backward seconds of each block on `sample` (inputs of the first block), the best
+    (minimum) of `repeats` runs: other work on the machine only ever adds time."""
+    check_repeats(repeats)
     times: list[list[float]] = [[] for _ in model]
     first = next(model.parameters(), None)
     on_cuda = first.is_cuda if first is not None else (isinstance(sample, torch.Tensor) and sample.is_cuda)
@@ -120,17 +122,17 @@ def measured_times(model: nn.Sequential, sample: Any, repeats: int = 5) -> list[
             sync()
             times[index].append(time.perf_counter() - begin)
             x = out.detach()
-    return [statistics.median(t) for t in times]
+    return [min(t) for t in times]
 
 
 def split(model: nn.Module, n_stages: int, method: str = "uniform", sample: Any = None,
-          threads: int | None = 1) -> Partition:
+          threads: int | None = 1, repeats: int = 5) -> Partition:
     """Split `model` (an `nn.Sequential` of blocks) into `n_stages` contiguous stages.
 
     The stages are slices of `model`: they share its parameters, so gradients computed
     through the stages land in `model.parameters()`.  method="time" needs `sample`, an
     input batch for the first block, and times the blocks on `threads` intra-op threads
-    (default 1; None: the caller's setting).
+    (default 1; None: the caller's setting), each block's cost the best of `repeats` runs.
     """
     if not isinstance(model, nn.Sequential):
         raise TypeError(
@@ -153,7 +155,7 @@ def split(model: nn.Module, n_stages: int, method: str = "uniform", sample: Any 
                 raise ValueError('method="time" measures each block, so pass sample=<an input batch>')
             was_training = model.training
             with intra_op_threads(threads):
-                costs = measured_times(model, sample)
+                costs = measured_times(model, sample, repeats)
             model.train(was_training)
         bounds = balanced_bounds(costs, n_stages)
     stages = [model[a:b] for a, b in bounds]
