@@ -25,7 +25,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked for
-    if name in ("plot", "widgets", "distributed", "compare_engines", "quiz"):
+    if name in ("plot", "widgets", "distributed", "compare_engines", "quiz", "balance", "communication", "fastest", "gradients", "phases"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

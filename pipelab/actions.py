@@ -97,6 +97,22 @@ class Schedule:
 
         return unit_time_grid(self)
 
+    def grid(self) -> list[list[str]]:
+        """The cells of `to_text()`: ``grid()[d][t]`` is device d's cell in time step t (``"."`` = idle)."""
+        return [line.split("|", 1)[1].split() for line in self.to_text().splitlines()]
+
+    def message_count(self) -> int:
+        """Messages one step sends between devices: each F of a stage > 0 receives its activation, each B
+        of a stage < p-1 its gradient, when the neighbouring stage is on another device; 2·m·(p-1)
+        for one stage per device, whatever the order of the actions."""
+        device = self.device_of_stage()
+        count = 0
+        for action in self.all_actions():
+            neighbour = action.stage - 1 if action.kind == "F" else action.stage + 1 if action.kind == "B" else None
+            if neighbour is not None and neighbour in device and device[neighbour] != device[action.stage]:
+                count += 1
+        return count
+
     @classmethod
     def from_text(cls, text: str, name: str = "custom") -> "Schedule":
         """Parse `to_text()` (or a hand-written grid) back into a Schedule.
