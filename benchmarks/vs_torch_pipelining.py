@@ -1,8 +1,10 @@
 """pipelab's distributed engine against PyTorch's own `torch.distributed.pipelining`, on the same work.
 
     .venv/bin/python benchmarks/vs_torch_pipelining.py [--rounds 8] [--steps 2] [--ranks 2 4] [--batch 64]
+                                                       [--speedup-batch 1024]
 
-About 1.5-2 minutes on 2 cores, most of it starting the ranks (one launch per p).
+About 2.5-3 minutes on 2 cores: one launch per p at --batch, then one more p = 2 launch at
+--speedup-batch (half the rounds) for the speed-up, where every op takes well over 1 ms.
 
 The work: `pl.models.mlp(depth=8, width=1024, seed=0)` (7 blocks Linear(1024, 1024) + GELU,
 then a plain Linear(1024, 1024): both engines run exactly this model), batch 64, m = 8
@@ -30,7 +32,15 @@ Printed (medians over steps, all from this one run):
    1.78x for m = 8).  Also printed: the shortest measured op (target >= 1 ms) and the
    speed-up over one process running the same 8 micro-batches one after the other
    (gradient accumulation), which separates the pipeline's parallelism from the cost of
-   smaller matrix products.
+   smaller matrix products.  So the speed-up over the full batch is
+   (full / micro-batched) * (micro-batched / pipelined): the cost of micro-batching times
+   the pipeline's own gain.  On a CPU the first factor is far from 1 at small micro-batches:
+   an 8-row product reads each 4 MB weight matrix for only 8 rows, so the step becomes
+   weight-bandwidth bound, and m micro-batches read the weights m times.  Hence the second
+   run at --speedup-batch (128 rows per micro-batch), where products are compute bound.
+   Also printed: every rank running that micro-batched process at the same time, and the
+   share of its speed alone each keeps side by side (1.0 on independent cores; less where
+   they share memory bandwidth or caches).
 4. Predicted makespan (`pl.simulate` on `pl.Costs.from_profile` measured inside the
    ranks, on all ranks at once so the CPU load is like the real run) against pipelab's
    measured `trace.makespan` of the same round; the error is the median over rounds.
@@ -168,7 +178,7 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
 
     out = {"rank": rank, "bounds": bounds, "grad_err": {}, "loss": {}, "times": {}, "waited": {}, "makespan": {},
            "inner_wall": {}, "shortest_op": [], "predicted": {}, "predicted_alone": {}, "single": [],
-           "accumulated": []}
+           "accumulated": [], "accumulated_together": []}
 
     # warm-up (not timed) and the correctness checks: one step of each, gradients against the reference
     def my_grads(model):
@@ -224,6 +234,9 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
             seconds = _barrier_timed(accumulated_step if rank == 0 else (lambda: None))
             if rank == 0:
                 out["accumulated"].append(seconds)
+            # the same work on every rank at once: what running side by side costs each process
+            full.zero_grad(set_to_none=True)
+            out["accumulated_together"].append(_barrier_timed(accumulated_step))
         # the cost model: profiled on every rank at once (load like the real run), and on rank 0 alone
         sample = (x[:mb], y[:mb])
         dist.barrier()
@@ -276,6 +289,10 @@ def report(p: int, per_rank: list[dict]) -> dict:
     print(f"  one process, one thread: full-batch step {single * 1e3:.1f} ms; the 8 micro-batches one after "
           f"the other {accumulated * 1e3:.1f} ms; shortest pipelab op (F of one micro-batch on one stage) "
           f"{found['shortest_op'] * 1e3:.2f} ms (needed >= 1 ms: {'yes' if found['shortest_op'] >= 1e-3 else 'no'})")
+    together = med(t for r in per_rank for t in r["accumulated_together"])
+    found["efficiency"] = accumulated / together
+    print(f"  the same micro-batched process on all {p} ranks at once: {together * 1e3:.1f} ms each: side by side, "
+          f"each process keeps {found['efficiency']:.0%} of its speed alone (this machine's parallel efficiency)")
     for s in SCHEDULES:
         print(f"  {s:5s} speed-up over one process (full batch): pipelab {single / found[s]['pipelab']:.2f}x, "
               f"PyTorch {single / found[s]['torch']:.2f}x; over the micro-batched process: pipelab "
@@ -300,10 +317,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2, help="steps per engine and schedule in each round")
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--batch", type=int, default=BATCH, help=f"a multiple of {M} (default {BATCH})")
+    parser.add_argument("--speedup-batch", type=int, default=1024,
+                        help="one more p = 2 run at this batch, for the speed-up (ops >= 1 ms); 0: none")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per launch before it counts as a hang")
     args = parser.parse_args()
-    if args.batch % M:
-        parser.error(f"--batch must be a multiple of m = {M}")
+    if args.batch % M or args.speedup_batch % M:
+        parser.error(f"--batch and --speedup-batch must be multiples of m = {M}")
 
     print(f"pipelab DistributedPipeline vs torch.distributed.pipelining: MLP depth {DEPTH} width {WIDTH} "
           f"(pl.models.mlp: last block a plain Linear), batch {args.batch}, m = {M}, MSE mean, gloo, 1 thread per rank, "
@@ -312,10 +331,15 @@ def main() -> None:
           "cores and every time below is inflated")
     found = {}
     begin = time.perf_counter()
-    for p in args.ranks:
+    runs = [(p, args.batch, args.rounds) for p in args.ranks]
+    if args.speedup_batch and 2 in args.ranks:  # the speed-up at a batch whose ops take >= 1 ms
+        runs.append((2, args.speedup_batch, max(2, args.rounds // 2)))
+    for p, batch, rounds in runs:
         start = time.perf_counter()
+        if batch != args.batch:
+            print(f"\n--- the speed-up at batch {batch} (micro-batches of {batch // M}), {rounds} rounds ---")
         try:
-            per_rank = pl.distributed.launch(on_rank, p, p, args.rounds, args.steps, args.batch, timeout_seconds=args.timeout,
+            per_rank = pl.distributed.launch(on_rank, p, p, rounds, args.steps, batch, timeout_seconds=args.timeout,
                                              wait_timeout_seconds=min(60.0, args.timeout))
         except pl.distributed.DistributedError as error:
             where = "torch/distributed/pipelining" in error.details
@@ -323,20 +347,23 @@ def main() -> None:
             print("\n".join(error.details.splitlines()[-25:]))
             continue
         print(f"(launch and run of p = {p}: {time.perf_counter() - start:.0f} s)")
-        found[p] = report(p, per_rank)
+        found[(p, batch)] = report(p, per_rank)
 
     print("\nsummary")
-    for p, f in found.items():
+    for (p, batch), f in found.items():
         for s in SCHEDULES:
             ratio = f[s]["pipelab"] / f[s]["torch"]
-            print(f"  p={p} {s:5s}: pipelab/PyTorch {ratio:.3f} (target <= 0.90: {'met' if ratio <= 0.90 else 'missed'})"
-                  f"; makespan prediction error {f[('pred', s)]:+.1%}")
-    if 2 in found:
-        f = found[2]
+            print(f"  p={p} batch {batch} {s:5s}: pipelab/PyTorch {ratio:.3f} (target <= 0.90: "
+                  f"{'met' if ratio <= 0.90 else 'missed'}); makespan prediction error {f[('pred', s)]:+.1%}")
+    for (p, batch), f in found.items():
+        if p != 2:
+            continue
         for s in SCHEDULES:
             speedup = f["single"] / f[s]["pipelab"]
-            print(f"  p=2 {s:5s}: pipelab speed-up over one process {speedup:.2f}x "
-                  f"(target >= 1.5x: {'met' if speedup >= 1.5 else 'missed'}; ideal 1.78x)")
+            print(f"  p=2 batch {batch} {s:5s}: pipelab speed-up over one process {speedup:.2f}x "
+                  f"(target >= 1.5x: {'met' if speedup >= 1.5 else 'missed'}; ideal 1.78x) = micro-batching "
+                  f"{f['single'] / f['accumulated']:.2f}x * pipelining {f['accumulated'] / f[s]['pipelab']:.2f}x; "
+                  f"parallel efficiency {f['efficiency']:.0%}; shortest op {f['shortest_op'] * 1e3:.2f} ms")
     print(f"CPU pressure after (some avg60): {_cpu_pressure()}; total {time.perf_counter() - begin:.0f} s")
 
 
