@@ -49,6 +49,15 @@ class Action(NamedTuple):
         return cls(match.group(2), found_stage, int(match.group(3)))
 
 
+def check_counts(**counts) -> None:
+    """Raise a TypeError/ValueError naming any count (n_stages=4, ...) that is not a positive int."""
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be at least 1, got {value}")
+
+
 NEEDS = {"F": (("F", -1),), "B": (("F", 0), ("B", +1)), "W": (("B", 0),)}
 """What an action of each kind needs, as (kind, stage offset), same micro-batch (DESIGN.md):
 F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i).

@@ -9,17 +9,14 @@ from __future__ import annotations
 from itertools import chain
 from operator import itemgetter
 
-from .actions import KINDS, Action, Schedule
+from .actions import KINDS, Action, Schedule, check_counts
 from .errors import ScheduleError
+from .schedules_beyond import count_messages, interleaved_1f1b, zero_bubble_h1
 from .timing import run_dependencies
 
 
 def _check_counts(n_stages, n_microbatches) -> None:
-    for name, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-        if value < 1:
-            raise ValueError(f"{name} must be at least 1, got {value}")
+    check_counts(n_stages=n_stages, n_microbatches=n_microbatches)
 
 
 def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
@@ -68,18 +65,61 @@ def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
     return Schedule(n_stages, n_microbatches, actions, name="1f1b")
 
 
+def pipedream_async(n_stages: int, n_microbatches: int, update_every: int = 1) -> Schedule:
+    """Asynchronous PipeDream with weight stashing (Narayanan et al., SOSP 2019, §3.3): no flush.
+
+    The whole training run is one schedule: each of the m micro-batches is one of
+    PipeDream's minibatches, and the table is 1F1B's order (stage s admits p - s before
+    its first backward, then alternates: "1F1B-RR" with one worker per stage), so the
+    warm-up and the drain happen once per run, not once per optimizer step.  The weights
+    move while micro-batches are in flight, under this exact rule per stage s:
+
+    - stage s's weights start at version 0; after every `update_every`-th B in its list
+      it applies one optimizer step to its live weights with the gradients of those
+      backwards (summed), and the version goes up by one;
+    - F(s, i) runs with the live version at that moment (the number of updates earlier
+      in stage s's list) and stashes it;
+    - B(s, i) computes its gradients with the version F(s, i) stashed (weight stashing),
+      and they update the live weights;
+    - stages do not agree on versions: micro-batch i may see version 3 on stage 0 and 5 on
+      stage 2 (PipeDream's optional "vertical sync" is not modelled).
+
+    `pl.pipedream.weight_versions` gives each action's version; a stage keeps p - s
+    versions at once in the steady state (update_every = 1).  `meta` carries
+    {"update_every": k, "asynchronous": True}.  p=4, m=8 (1F1B's table; stage 0 runs
+    F0..F3 with version 0, then F4 with version 1, F5 with 2, ...):
+
+        device 0 | F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7
+        device 1 | .  F0 F1 F2 .  .  B0 F3 B1 F4 B2 F5 B3 F6 B4 F7 B5 .  B6 .  B7 .
+        device 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
+        device 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
+    """
+    check_counts(update_every=update_every)
+    table = one_f_one_b(n_stages, n_microbatches)
+    return Schedule(n_stages, n_microbatches, table.actions, name="pipedream-async",
+                    meta={"update_every": update_every, "asynchronous": True})
+
+
 GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
+"""The schedules named by (n_stages, n_microbatches) alone, as the explorer's menu lists them."""
+
+MORE_GENERATORS = {"zb-h1": zero_bubble_h1, "pipedream-async": pipedream_async}
+"""More schedules `by_name` knows (interleaved 1F1B needs a chunk count: call `interleaved_1f1b`)."""
 
 
 def by_name(name: str, n_stages: int, n_microbatches: int) -> Schedule:
-    """Build the schedule called `name` ("gpipe", "1f1b")."""
+    """Build the schedule called `name` ("gpipe", "1f1b", "zb-h1", "pipedream-async")."""
     if not isinstance(name, str):
         raise TypeError(f"a schedule name must be a string like 'gpipe' or '1f1b', got {type(name).__name__}")
     key = name.lower().replace("-", "").replace("_", "")
-    aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "onefoneb": "1f1b", "pipedreamflush": "1f1b"}
+    aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "onefoneb": "1f1b", "pipedreamflush": "1f1b",
+               "zbh1": "zb-h1", "zerobubbleh1": "zb-h1", "pipedreamasync": "pipedream-async",
+               "pipedream": "pipedream-async"}
+    known = {**GENERATORS, **MORE_GENERATORS}
     if key not in aliases:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(GENERATORS)}")
-    return GENERATORS[aliases[key]](n_stages, n_microbatches)
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(known)} "
+                         "(interleaved 1F1B: pl.schedules.interleaved_1f1b(p, m, n_chunks))")
+    return known[aliases[key]](n_stages, n_microbatches)
 
 
 def validate(schedule: Schedule) -> Schedule:
