@@ -12,6 +12,7 @@ from operator import itemgetter
 from .actions import KINDS, Action, Schedule, check_counts
 from .errors import ScheduleError
 from .schedules_beyond import count_messages, interleaved_1f1b, zero_bubble_h1
+from .schedules_torch import TORCH_NAMES, from_torch, torch_schedule, torch_table
 from .timing import run_dependencies
 
 
