@@ -1,6 +1,7 @@
 """The timeline shows every action, idle time, and says where its times came from."""
 
 import matplotlib.colors as mcolors
+import numpy as np
 import pytest
 
 import pipelab as pl
@@ -106,7 +107,7 @@ def test_memory_plot_side_by_side_and_budget():
     fig = pl.plot.memory(measured, predicted=predicted, budget_bytes=60)
     left, right = fig.axes
     assert left.get_title().startswith("predicted") and right.get_title().startswith("measured")
-    assert "out of memory on device(s) [0]" in right.get_title()  # device 0 peaks at 100 bytes > 60
+    assert "out of memory on device 0" in right.get_title()  # device 0 peaks at 100 bytes > 60
     assert any(line.get_linestyle() == "--" for line in right.get_lines())
     assert "out of memory" not in pl.plot.memory(measured, budget_bytes=1000).axes[0].get_title()
 
@@ -117,7 +118,57 @@ def test_distinct_colors_never_repeat(n):
     assert len(colors) == n and len(set(colors)) == n
 
 
-def test_memory_plot_gives_sixteen_devices_sixteen_colours():
+def test_memory_plot_as_lines_gives_sixteen_devices_sixteen_colours():
     trace = pl.simulate(pl.schedules.one_f_one_b(16, 32), pl.Costs(memory_bytes=1.0))
-    lines = pl.plot.memory(trace).axes[0].get_lines()
+    lines = pl.plot.memory(trace, heatmap=False).axes[0].get_lines()
     assert len(lines) == 16 and len({line.get_color() for line in lines}) == 16
+
+
+def heatmap_rows(ax):
+    """The heat-map's image and its values, one row per device."""
+    (image,) = ax.images
+    return image, np.asarray(image.get_array())
+
+
+def test_memory_beyond_eight_devices_is_a_heatmap_of_devices_by_time():
+    p, m = 16, 32
+    trace = pl.simulate(pl.schedules.one_f_one_b(p, m), pl.Costs(memory_bytes=1.0))
+    fig = pl.plot.memory(trace, unit_bytes=1.0, unit_name="micro-batches")
+    ax = fig.axes[0]
+    assert not ax.get_lines() and ax.get_ylim()[0] > ax.get_ylim()[1]  # no tangle of lines; device 0 on top
+    image, values = heatmap_rows(ax)
+    assert values.shape[0] == p
+    # 1F1B keeps at most min(p - s, m) micro-batches on stage s (PipeDream-Flush; DESIGN.md)
+    assert list(values.max(axis=1)) == [min(p - s, m) for s in range(p)]
+    assert image.norm.vmax == p  # the scale ends at the highest peak
+    assert "highest peak 16 micro-batches, on device 0" in ax.get_title()
+    assert fig.axes[1].get_ylabel() == "activation memory (micro-batches)"  # the colour bar
+    eight = pl.simulate(pl.schedules.one_f_one_b(8, m), pl.Costs(memory_bytes=1.0))
+    assert len(pl.plot.memory(eight).axes[0].get_lines()) == 8  # up to 8 devices: lines
+
+
+def test_heatmap_columns_follow_the_memory_curves_exactly():
+    trace = two_device_trace()  # device 0 holds 100 bytes over [1, 6) s, device 1 50 bytes over [2, 4) s
+    ax = pl.plot.memory(trace, heatmap=True, unit_bytes=1.0, unit_name="bytes").axes[0]
+    image, values = heatmap_rows(ax)
+    assert list(image.get_extent()[:2]) == [0.0, 6000.0]  # ms
+    # columns [0, 1), [1, 2), [2, 4), [4, 6) s: every change of either curve is a column edge
+    assert values.tolist() == [[0, 100, 100, 100], [0, 0, 50, 0]]
+
+
+def test_heatmap_shows_a_budget_as_the_end_of_its_scale_and_more_in_red():
+    trace = pl.simulate(pl.schedules.gpipe(12, 16), pl.Costs(memory_bytes=1.0))
+    fig = pl.plot.memory(trace, budget_bytes=8, unit_bytes=1.0, unit_name="micro-batches")
+    image, _ = heatmap_rows(fig.axes[0])
+    assert image.norm.vmax == 8 and mcolors.to_hex(image.cmap.get_over()) == mcolors.to_hex("crimson")
+    assert "out of memory on devices 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11" in fig.axes[0].get_title()
+
+
+def test_titles_count_in_the_singular_and_the_plural():
+    one = pl.plot.timeline(pl.simulate(pl.schedules.gpipe(1, 1), pl.Costs())).axes[0].get_title()
+    assert "p=1 stage, m=1 micro-batch —" in one and " of 1 device x " in one
+    many = pl.plot.timeline(pl.simulate(pl.schedules.gpipe(2, 3), pl.Costs())).axes[0].get_title()
+    assert "p=2 stages, m=3 micro-batches —" in many and " of 2 devices x " in many
+    model = pl.models.mlp(depth=2, width=4)
+    assert "into 1 stage:" in pl.plot.partition(pl.split(model, 1)).axes[0].get_title()
+    assert pl.plot.counted(1, "micro-batch") == "1 micro-batch" and pl.plot.counted(0, "device") == "0 devices"
