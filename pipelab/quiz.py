@@ -29,11 +29,13 @@ def relative_error(guess: float, actual: float) -> float:
     return abs(guess - actual) / abs(actual)
 
 
-def judge_number(guess: float | None, actual: float, unit: str = "", tolerance: float = 0.1) -> str:
-    """One sentence: the guess beside the measured value, its relative error, within `tolerance` or not."""
+def judge_number(guess: float | None, actual: float, unit: str = "", tolerance: float = 0.1,
+                 label: str = "measured") -> str:
+    """One sentence: the guess beside the answer (`label` says where it came from: "measured", "counted",
+    "simulated", ...), its relative error, within `tolerance` or not."""
     actual = _number(actual, "actual")
     _check_tolerance(tolerance)
-    measured = f"measured: {_show(actual, unit)}"
+    measured = f"{label}: {_show(actual, unit)}"
     if guess is None:
         return f"No guess was entered (a headless run, or the box was left empty); {measured}."
     error = relative_error(guess, actual)
@@ -166,15 +168,21 @@ class Prediction:
         else:
             self._typed.value = value if isinstance(value, str) else repr(_number(value, "guess"))
 
-    def verdict(self, actual: float | int | str) -> str:
-        """The guess judged against `actual`: relative error for a number, right/wrong for a choice."""
+    def verdict(self, actual: float | int | str, label: str = "measured") -> str:
+        """The guess judged against `actual`: relative error for a number, right/wrong for a choice.
+
+        `label` names where a number came from ("measured", "counted", "simulated", "formula").
+        """
         if self.choices is not None:
             return judge_choice(self.guess, actual, self.choices)
-        return judge_number(self.guess, actual, self.unit, self.tolerance)
+        return judge_number(self.guess, actual, self.unit, self.tolerance, label)
 
-    def reveal(self, actual: float | int | str, explanation: str = "") -> Revealed:
-        """Show the measured answer beside the guess; an entered guess is then locked (the box is disabled)."""
-        shown = Revealed(self.verdict(actual), explanation)
+    def reveal(self, actual: float | int | str, explanation: str = "", label: str = "measured") -> Revealed:
+        """Show the answer beside the guess; an entered guess is then locked (the box is disabled).
+
+        `label` names where a number came from: "measured" (the default), or "counted", "simulated", ...
+        """
+        shown = Revealed(self.verdict(actual, label), explanation)
         if self._widget is not None:
             self._feedback.value = shown._repr_html_()
             if self.guess is not None:

@@ -28,6 +28,13 @@ def test_judge_number_states_guess_answer_error_and_tolerance():
     assert "within" in judge_number(0.9, 1.0, tolerance=0.1)
 
 
+def test_the_answer_says_where_it_came_from():
+    assert "counted: 27.3%" in judge_number(25, 27.3, "%", label="counted")
+    guess = pl.quiz.predict("?", unit="%")
+    assert "simulated: 36" in guess.reveal(36, label="simulated").text
+    assert "measured: 36" in guess.verdict(36)
+
+
 def test_no_guess_still_shows_the_answer():
     text = judge_number(None, 36.0, unit="s")
     assert text.startswith("No guess was entered") and "36 s" in text
