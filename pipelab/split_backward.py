@@ -1,0 +1,126 @@
+"""A stage's backward split in two (Zero Bubble PP): B, the input gradient, now; W, the weight gradient, later.
+
+B runs autograd from the stage output to the stage input only, keeping the graph.  On
+its way it passes the nodes where the weights hang off the input path (for a Linear,
+the matrix multiply whose other input is the weight): there it records the gradient
+arriving at the node.  W later starts from those nodes with those recorded gradients and
+runs only the branches that lead to the weights.  So every gradient is computed once:
+the activation gradients (input path) in B, the weight gradients in W; a node on the
+boundary (the matmul) runs twice, each time for different outputs (dX in B, dW in W).
+The idea is PyTorch's (`torch/distributed/pipelining/_backward.py`, stage_backward_input
+and stage_backward_weight); this is written anew, grouping the boundary nodes by the
+weights they reach so that each W call runs only its own branches.
+
+A stage whose input needs no gradient (the first stage, or integer tokens) has no input
+path: its B computes nothing and its W the whole backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class WeightWork:
+    """What B leaves for W: per group, the boundary nodes, the gradients recorded at them, and
+    the weights their branches reach."""
+
+    groups: list[tuple[list[Node], list[tuple], list[torch.Tensor]]] = field(default_factory=list)
+    whole: tuple[torch.Tensor, torch.Tensor] | None = None  # (output, grad) when there is no input path
+    parameters: list[torch.Tensor] = field(default_factory=list)
+
+
+def _graph(root: Node) -> list[Node]:
+    """Every node reachable from `root`, parents before children (a reverse post-order)."""
+    order, seen, stack = [], {root}, [(root, iter(root.next_functions))]
+    while stack:
+        node, children = stack[-1]
+        for child, _ in children:
+            if child is not None and child not in seen:
+                seen.add(child)
+                stack.append((child, iter(child.next_functions)))
+                break
+        else:
+            stack.pop()
+            order.append(node)
+    return order[::-1]
+
+
+def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp, parameters: list[torch.Tensor]):
+    """B: return d loss / d `inp` (None without an input path) and the `WeightWork` W needs."""
+    grad = torch.ones_like(output) if grad_output is None else grad_output
+    trainable = [p for p in parameters if p.requires_grad]
+    work = WeightWork(parameters=trainable)
+    if not (isinstance(inp, torch.Tensor) and inp.requires_grad) or output.grad_fn is None:
+        work.whole = (output, grad)
+        return None, work
+    target = get_gradient_edge(inp).node
+    weight_nodes = {get_gradient_edge(p).node: p for p in trainable}
+    nodes = _graph(output.grad_fn)
+    to_input, to_weights = {}, {}  # node -> reaches the input / the set of weights it reaches
+    for node in reversed(nodes):  # children first
+        children = [c for c, _ in node.next_functions if c is not None]
+        to_input[node] = node is target or any(to_input[c] for c in children)
+        reached = {id(weight_nodes[node])} if node in weight_nodes else set()
+        for c in children:
+            reached |= to_weights[c]
+        to_weights[node] = reached
+    groups: list[tuple[set[Node], set[int]]] = []
+    for node in nodes:  # boundary: on the input path, with a child off it that reaches weights
+        if not to_input[node]:
+            continue
+        reached = set().union(*(to_weights[c] for c, _ in node.next_functions
+                                if c is not None and not to_input[c]))
+        if reached:
+            overlapping = [g for g in groups if g[1] & reached]
+            merged = ({node}.union(*(g[0] for g in overlapping)), reached.union(*(g[1] for g in overlapping)))
+            groups = [g for g in groups if not g[1] & reached] + [merged]
+    recorded: dict[Node, tuple] = {}
+    handles = [node.register_prehook(lambda grads, node=node: recorded.__setitem__(node, grads))
+               for members, _ in groups for node in members]
+    try:
+        (grad_input,) = torch.autograd.grad(output, inp, grad, retain_graph=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    by_id = {id(p): p for p in trainable}
+    for members, reached in groups:
+        members = [n for n in members if n in recorded]
+        work.groups.append((members, [recorded[n] for n in members], [by_id[i] for i in sorted(reached)]))
+    return grad_input, work
+
+
+def backward_weight(work: WeightWork) -> None:
+    """W: add d loss / d weights into each weight's `.grad`, from what B recorded."""
+    if work.whole is not None:
+        output, grad = work.whole
+        found = torch.autograd.grad(output, work.parameters, grad, allow_unused=True)
+        _accumulate(work.parameters, found)
+        return
+    for members, recorded, weights in work.groups:
+        roots, grads = [], []
+        for node, node_grads in zip(members, recorded):
+            for i, g in enumerate(node_grads):
+                if g is not None:
+                    roots.append(GradientEdge(node, i))
+                    grads.append(g)
+        # a boundary node below another in the same group gets exactly what B recorded there
+        handles = ([node.register_prehook(lambda _, saved=saved: saved) for node, saved in zip(members, recorded)]
+                   if len(members) > 1 else [])
+        try:
+            found = torch.autograd.grad(roots, [get_gradient_edge(w) for w in weights], grads,
+                                        retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        _accumulate(weights, found)
+    work.groups.clear()
+
+
+def _accumulate(weights: list[torch.Tensor], grads) -> None:
+    for weight, g in zip(weights, grads):
+        if g is not None:
+            weight.grad = g.detach().clone() if weight.grad is None else weight.grad.add_(g)

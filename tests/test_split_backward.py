@@ -1,0 +1,97 @@
+"""B/W split of a stage's backward (`pipelab.split_backward`) against one plain backward.
+
+Reference: `torch.autograd.grad` of the same output w.r.t. the input and every weight at
+once.  The split must give the same tensors bit for bit, and W must not run the nodes of
+the input path (a GELU's, a tanh's, attention's softmax's backward): those ran in B.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import pipelab as pl
+from pipelab.split_backward import _graph, backward_input, backward_weight
+
+
+def split_run(stage: nn.Module, inp: torch.Tensor, grad_output: torch.Tensor | None):
+    """Run stage forward, then B and W; return (input grad, weight grads, node names run in B, in W)."""
+    for p in stage.parameters():
+        p.grad = None
+    output = stage(inp)
+    ran = {"B": [], "W": []}
+    phase = ["B"]
+    hooks = [n.register_hook(lambda gi, go, n=n: ran[phase[0]].append(n.name())) for n in _graph(output.grad_fn)]
+    grad_input, work = backward_input(output, grad_output, inp, list(stage.parameters()))
+    phase[0] = "W"
+    backward_weight(work)
+    for h in hooks:
+        h.remove()
+    return grad_input, [p.grad for p in stage.parameters()], ran
+
+
+def plain(stage: nn.Module, inp: torch.Tensor, grad_output: torch.Tensor | None):
+    output = stage(inp)
+    grad = torch.ones_like(output) if grad_output is None else grad_output
+    wrt = ([inp] if inp.requires_grad else []) + list(stage.parameters())
+    found = torch.autograd.grad(output, wrt, grad)
+    return (found[0] if inp.requires_grad else None), list(found[-len(list(stage.parameters())):])
+
+
+STAGES = {
+    "mlp": lambda: (pl.models.mlp(depth=3, width=8, seed=0), torch.randn(5, 8)),
+    "layernorm": lambda: (nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.LayerNorm(8), nn.Linear(8, 8)), torch.randn(5, 8)),
+    "gpt blocks": lambda: (pl.models.tiny_gpt(n_layers=2, d_model=16, n_heads=2, vocab_size=32, seq_len=6)[1:3],
+                           torch.randn(3, 6, 16)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(STAGES))
+def test_split_gives_the_plain_gradients_bit_for_bit(name):
+    torch.manual_seed(0)
+    stage, x = STAGES[name]()
+    x.requires_grad_(True)
+    grad_output = torch.randn_like(stage(x))
+    want_input, want_weights = plain(stage, x, grad_output)
+    got_input, got_weights, ran = split_run(stage, x.detach().requires_grad_(True), grad_output)
+    assert torch.equal(got_input, want_input)
+    for got, want in zip(got_weights, want_weights):
+        assert torch.equal(got, want)
+    input_path_only = {"GeluBackward0", "TanhBackward0", "SoftmaxBackward0", "ReluBackward0"}
+    assert ran["W"] and not input_path_only & set(ran["W"]), ran["W"]
+    assert not {"TBackward0"} & set(ran["B"]), "B reached a weight's branch"
+
+
+def test_w_adds_to_existing_gradients():
+    stage, x = STAGES["mlp"]()
+    grad_output = torch.randn(5, 8)
+    _, once, _ = split_run(stage, x.clone().requires_grad_(True), grad_output)
+    once = [g.clone() for g in once]
+    inp = x.clone().requires_grad_(True)
+    _, work = backward_input(stage(inp), grad_output, inp, list(stage.parameters()))
+    backward_weight(work)  # .grad already holds `once`: W adds, like loss.backward()
+    for p, g in zip(stage.parameters(), once):
+        assert torch.equal(p.grad, g + g)
+
+
+def test_first_stage_has_no_input_gradient_and_w_does_the_whole_backward():
+    stage, x = STAGES["mlp"]()
+    grad_output = torch.randn(5, 8)
+    _, want = plain(stage, x, grad_output)
+    got_input, got, ran = split_run(stage, x, grad_output)
+    assert got_input is None and ran["B"] == []
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+
+
+def test_last_stage_loss_without_grad_output():
+    stage, x = STAGES["mlp"]()
+    x.requires_grad_(True)
+    ref = torch.autograd.grad(stage(x).pow(2).mean(), [x] + list(stage.parameters()))
+    x2 = x.detach().requires_grad_(True)
+    got_input, work = backward_input(stage(x2).pow(2).mean(), None, x2, list(stage.parameters()))
+    backward_weight(work)
+    assert torch.equal(got_input, ref[0])
+    for p, r in zip(stage.parameters(), ref[1:]):
+        assert torch.equal(p.grad, r)
