@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.pipelab-installed
 
-.PHONY: lab demo test install clean
+.PHONY: lab demo test screenshots install clean
 
 lab: $(STAMP)          ## open the course in JupyterLab (headless machines: `make demo`)
 	$(VENV)/bin/pipelab lab
@@ -14,6 +14,9 @@ demo: $(STAMP)         ## a headless demo: one pipelined training run, table + t
 
 test: $(STAMP)         ## every test: engine, graders (solutions, stubs, mutants), notebooks
 	$(PY) -m pytest
+
+screenshots: $(STAMP)  ## the README's screenshots (docs/*.png), by the browser test (needs Chromium)
+	PIPELAB_SCREENSHOTS=docs $(PY) -m pytest tests/test_browser.py -p no:cacheprovider
 
 install: $(STAMP)
 
