@@ -7,8 +7,8 @@ uses the version stashed by F(s, i).  A stage must keep every version some in-fl
 micro-batch (F done, B not yet) still needs, plus its live weights: with update_every = 1
 that is p - s versions on stage s in the steady state (each in-flight micro-batch saw a
 different one), so stashing costs stage s (p - s - 1) extra copies of its weights.  The
-warm-up's w = p - s - 1 forwards share version 0, so stage s reaches p - s once w
-steady-state pairs have run (m >= 2 w + 1).
+warm-up's w = p - s - 1 forwards share version 0, so with few micro-batches a stage may
+hold fewer; m >= 2 w + 1 is enough for stage s to reach p - s.
 """
 
 from __future__ import annotations

@@ -1,0 +1,87 @@
+"""Task 5.2: weight_versions and versions_in_flight, weight stashing in asynchronous PipeDream.
+
+References written out here: PipeDream's closed forms on 1F1B's order (``beyond_tables``):
+F(s, i) and B(s, i) use version max(0, i - (p - s - 1)) with an update after each
+backward; p - s versions held on stage s once m >= 2p - 1; small hand-made tables
+(update_every = 2, a stage whose backwards come late, several stages on one device).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from beyond_tables import one_f_one_b_table
+
+pytestmark = pytest.mark.task5_2
+
+GRID = [(p, m) for p in range(1, 7) for m in range(1, 13)]
+
+
+def module(impl):
+    return impl("weight_stashing")
+
+
+def test_versions_on_1f1b_order_follow_the_closed_form(impl):
+    for p, m in GRID:
+        table = one_f_one_b_table(p, m)
+        versions = module(impl).weight_versions(table)
+        assert isinstance(versions, dict) and len(versions) == 2 * p * m
+        for s in range(p):
+            for i in range(m):
+                expected = max(0, i - (p - s - 1))
+                assert versions[("F", s, i)] == versions[("B", s, i)] == expected, (
+                    f"1F1B order, p={p}, m={m}: F({s}, {i}) and B({s}, {i}) should use version {expected} "
+                    f"(the updates of the backwards before F({s}, {i}) in stage {s}'s list); got "
+                    f"{versions[('F', s, i)]} and {versions[('B', s, i)]}")
+
+
+def test_stashed_not_live(impl):
+    table = [[("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("B", 0, 1)]]
+    versions = module(impl).weight_versions(table)
+    assert versions == {("F", 0, 0): 0, ("F", 0, 1): 0, ("B", 0, 0): 0, ("B", 0, 1): 0}, (
+        "B(0, 1) runs after the update of B(0, 0), but with the version F(0, 1) stashed: 0")
+
+
+def test_updating_every_two_backwards(impl):
+    table = [[("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1), ("F", 0, 2), ("B", 0, 2), ("F", 0, 3), ("B", 0, 3)]]
+    versions = module(impl).weight_versions(table, update_every=2)
+    assert [versions[("F", 0, i)] for i in range(4)] == [0, 0, 1, 1]
+
+
+def test_several_stages_on_one_device_count_their_own_updates(impl):
+    table = [[("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("B", 0, 0), ("B", 0, 1)]]
+    versions = module(impl).weight_versions(table)
+    assert versions[("F", 1, 1)] == 1 and versions[("F", 0, 1)] == versions[("B", 0, 1)] == 0, (
+        "stage 1's update after B(1, 0) moves stage 1's weights only")
+    assert module(impl).versions_in_flight(table) == [2, 1]
+
+
+def test_p_minus_s_versions_held_in_the_steady_state(impl):
+    for p, m in GRID:
+        found = module(impl).versions_in_flight(one_f_one_b_table(p, m))
+        assert isinstance(found, list) and len(found) == p
+        if m >= 2 * p - 1:
+            assert found == [p - s for s in range(p)], (
+                f"1F1B order, p={p}, m={m}: stage s keeps p - s versions in the steady state "
+                f"(live weights included); got {found}")
+        assert all(1 <= f <= p - s for s, f in enumerate(found)), (p, m, found)
+
+
+def test_few_microbatches_hold_fewer_versions(impl):
+    # p = m = 4: stage 0's four forwards all ran on version 0, so it holds that one and its
+    # live weights; stage 1 (F0 F1 F2 B0 F3 B1 ...) holds versions 0, 1 and live 2 after B1.
+    assert module(impl).versions_in_flight(one_f_one_b_table(4, 4)) == [2, 3, 2, 1]
+
+
+def test_input_unchanged_and_errors(impl):
+    table = one_f_one_b_table(3, 5)
+    before = copy.deepcopy(table)
+    module(impl).weight_versions(table)
+    module(impl).versions_in_flight(table)
+    assert table == before, "the table must not be changed"
+    with pytest.raises(ValueError):
+        module(impl).weight_versions(table, update_every=0)
+    with pytest.raises(ValueError):
+        module(impl).weight_versions([[("B", 0, 0), ("F", 0, 0)]])
