@@ -41,6 +41,7 @@ from .local import StepResult, check_loss_fn, check_microbatch_count
 from .loop import StageWorker, producer, run_actions
 from .p2p import PointToPointTransport
 
+HYBRID_ARGUMENTS = {"tensor_parallel", "data_parallel", "tensor_parallel_plan", "layout"}
 COLUMNS = ("start", "end", "wait_start", "wait_end", "sent", "saved_bytes", "recomputed_bytes", "loss")
 
 
@@ -67,6 +68,15 @@ class DistributedPipeline:
         threads: intra-op threads for this process on a CPU (default 1, so that ranks sharing
             a machine's cores really run in parallel); None leaves PyTorch's setting.
     """
+
+    def __new__(cls, *args, **kwargs):
+        """With tensor_parallel=, data_parallel=, tensor_parallel_plan= or layout=, the pipeline is a hybrid
+        one on a ("dp", "pp", "tp") DeviceMesh: `runtime/hybrid.py`'s HybridPipeline (same arguments)."""
+        if cls is DistributedPipeline and HYBRID_ARGUMENTS & kwargs.keys():
+            from .hybrid import HybridPipeline
+
+            cls = HybridPipeline
+        return super().__new__(cls)
 
     def __init__(self, model: nn.Module, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, device: Any = None, group=None,

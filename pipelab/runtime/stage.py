@@ -23,6 +23,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 @dataclass
@@ -47,14 +48,25 @@ class SavedBytesCounter:
         self.bytes = 0
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(tensor)
-        if key not in self.excluded and key not in self.seen:
-            self.seen.add(key)
-            self.bytes += tensor.untyped_storage().nbytes()
+        for plain in _plain_tensors(tensor):
+            key = _storage_key(plain)
+            if key not in self.excluded and key not in self.seen:
+                self.seen.add(key)
+                self.bytes += plain.untyped_storage().nbytes()
         return tensor
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+
+def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors holding `tensor`'s memory: a wrapper subclass (a DTensor under tensor
+    parallelism) has no storage of its own, only the tensors it wraps."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = [getattr(tensor, name) for name in names]
+        return [t for value in inner if isinstance(value, torch.Tensor) for t in _plain_tensors(value)]
+    return [tensor]
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple:

@@ -1,0 +1,140 @@
+"""Count the communication of a step from the real calls, per kind of parallelism.
+
+`CommunicationCounter` is a `TorchDispatchMode` (the mechanism of torch's own
+`CommDebugMode`, which counts collectives but not their bytes): every `torch.distributed`
+call reaches the dispatcher as a `c10d` op (`dist.isend` as `c10d.send`, `dist.all_reduce`
+as `c10d.allreduce_`, ...) and every DTensor collective as a `_c10d_functional` op, so the
+mode sees each one with its tensors and its process group.  A call is put in a kind by
+its group (and op):
+
+- "pp": point-to-point sends between stages (`c10d.send`; receives go to "pp_received");
+- "pp_gather": the all-gather over the tensor-parallel group that rebuilds an activation
+  sent in t pieces (the hybrid transport marks it with `label`);
+- "tp": collectives on the tensor-parallel group (DTensor's all-reduces inside layers);
+- "dp": collectives on the data-parallel group (the gradient all-reduce);
+- "other": the rest (the step's table exchange for the Trace, the loss all-reduce).
+
+A record's bytes are the payload the call was given (the input tensor of a collective, the
+sent tensor of a send), not what the algorithm puts on the wire: a ring all-reduce of N
+bytes sends 2·(d−1)/d·N bytes from each of d ranks (`ring_all_reduce_bytes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+KINDS = ("pp", "pp_received", "pp_gather", "tp", "dp", "other")
+_labels = threading.local()
+
+# ops whose payload is their second argument (the first is the output)
+_INPUT_SECOND = {"allgather_", "_allgather_base_", "_reduce_scatter_base_", "reduce_scatter_", "allgather_into_tensor_coalesced_"}
+_IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier_"}
+
+
+@contextlib.contextmanager
+def label(kind: str):
+    """Put the collectives issued inside in `kind` (whatever their group)."""
+    previous = getattr(_labels, "kind", None)
+    _labels.kind = kind
+    try:
+        yield
+    finally:
+        _labels.kind = previous
+
+
+@dataclass(frozen=True)
+class Record:
+    kind: str
+    op: str
+    bytes: int
+    elements: int
+    group: frozenset | None = None  # its global ranks
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _group_ranks(args) -> frozenset[int] | None:
+    """The global ranks of the process group a c10d op (a ProcessGroup argument) or a functional
+    collective (the group's name, its last string argument) runs on."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import ProcessGroup
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    for arg in args:
+        if isinstance(arg, torch.ScriptObject):
+            try:
+                return frozenset(dist.get_process_group_ranks(ProcessGroup.unbox(arg)))
+            except (RuntimeError, ValueError):
+                continue
+    strings = [a for a in args if isinstance(a, str)]
+    if not strings:
+        return None
+    try:
+        return frozenset(dist.get_process_group_ranks(_resolve_process_group(strings[-1])))
+    except (RuntimeError, ValueError, KeyError):
+        return None
+
+
+class CommunicationCounter(TorchDispatchMode):
+    """Records every communication op run inside `with counter:`; `group_kinds` maps the global ranks of
+    a group (a frozenset) to a kind; a group of one rank moves nothing and counts as "other"."""
+
+    def __init__(self, group_kinds: dict[frozenset, str]):
+        super().__init__()
+        self.group_kinds = dict(group_kinds)
+        self.records: list[Record] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
+        kwargs = kwargs or {}
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor turn the op into local ops and collectives, seen next
+        namespace = getattr(func, "namespace", "")
+        if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
+            self._record(func._overloadpacket.__name__, args)
+        return func(*args, **kwargs)
+
+    def _record(self, op: str, args) -> None:
+        if op in _IGNORED:
+            return
+        payload = _tensors(args[1] if op in _INPUT_SECOND and len(args) > 1 else args[0])
+        size = sum(t.numel() * t.element_size() for t in payload)
+        elements = sum(t.numel() for t in payload)
+        group = _group_ranks(args)
+        if op == "send":
+            kind = "pp"
+        elif op.startswith("recv"):
+            kind = "pp_received"
+        else:
+            kind = getattr(_labels, "kind", None) or (self.group_kinds.get(group, "other") if group and len(group) > 1
+                                                      else "other")
+        self.records.append(Record(kind, op, size, elements, group))
+
+    def totals(self) -> dict[str, dict[str, int]]:
+        """{kind: {"messages", "bytes", "elements"}} for every kind (zeros where nothing was seen)."""
+        found = {kind: defaultdict(int) for kind in KINDS}
+        for record in self.records:
+            found[record.kind]["messages"] += 1
+            found[record.kind]["bytes"] += record.bytes
+            found[record.kind]["elements"] += record.elements
+        return {kind: {key: found[kind][key] for key in ("messages", "bytes", "elements")} for kind in KINDS}
+
+
+def ring_all_reduce_bytes(payload_bytes: float, n_ranks: int) -> float:
+    """Bytes each rank sends in a ring all-reduce of `payload_bytes`: 2·(n−1)/n · payload
+    (a reduce-scatter then an all-gather, each (n−1)/n of the data; ZeRO, Rajbhandari et al.
+    2020, §7.1: "2Ψ" per step for data parallelism with Ψ gradient elements)."""
+    return 0.0 if n_ranks <= 1 else 2 * (n_ranks - 1) / n_ranks * payload_bytes

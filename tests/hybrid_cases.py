@@ -1,0 +1,43 @@
+"""What the ranks run in tests/test_hybrid.py (functions given to pl.distributed.launch)."""
+
+from __future__ import annotations
+
+import torch
+
+import pipelab as pl
+from pipelab.layout import Layout
+
+BATCH = 19  # prime: the replicas' shares and the micro-batches are uneven
+
+
+def make_model(kind: str):
+    if kind == "mlp":
+        return pl.models.mlp(depth=8, width=16, seed=1)
+    return pl.models.tiny_gpt(n_layers=4, d_model=16, n_heads=4, vocab_size=32, seq_len=6, seed=1)
+
+
+def run_layouts(cases: list[tuple], count: bool = False) -> list[dict]:
+    """On every rank: per case (model kind, (dp, pp, tp), schedule, m), two steps (gradients of the
+    second only), what this rank saw; with `count`, the communication of the second step."""
+    found = []
+    for kind, shape, schedule, n_microbatches in cases:
+        model = make_model(kind)
+        x, y = pl.models.sample_batch(model, BATCH, seed=2)
+        pipe = pl.DistributedPipeline(model, n_microbatches, schedule, pl.models.default_loss(model),
+                                      layout=Layout(*shape))
+        pipe.step(x, y)  # the first step also sends the shape headers
+        for p in pipe.parameters():
+            p.grad = None
+        if count:
+            with pipe.count_communication() as counter:
+                result = pipe.step(x, y)
+        else:
+            result = pipe.step(x, y)
+        found.append({
+            "loss": result.loss,
+            "grads": pipe.gradients(),
+            "coordinates": (pipe.dp_index, pipe.pp_index, pipe.tp_index),
+            "parameter_bytes": pipe.parameter_bytes(),
+            "counts": counter.totals() if count else None,
+        })
+    return found

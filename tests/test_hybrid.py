@@ -1,0 +1,121 @@
+"""PP × TP × DP on a DeviceMesh (gloo): exact against one device, and its communication counted.
+
+Reference: the plain single-device step on the whole batch, `loss_fn(model(x), y).backward()`
+in the test process (no pipelab code).  Every rank returns its stage's full gradients
+(`pipe.gradients()`, gathered over "tp"); each replica and each TP rank must hold the
+single-device gradient of every parameter of its stage.
+
+Communication: the counts come from the real calls (a dispatch mode sees every c10d and
+DTensor collective, `runtime/comm_count.py`); they are compared with the closed forms of
+`runtime/comm_formulas.py` (Megatron-LM, ZeRO), written from the model's dimensions, and
+for two cases with numbers worked out by hand below.  Three launches (2, 4, 8 ranks).
+"""
+
+import pytest
+import torch
+
+import pipelab as pl
+from pipelab.layout import Layout
+from pipelab.runtime.comm_formulas import expected_communication
+
+import hybrid_cases as cases
+from hybrid_cases import BATCH, make_model
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+COUNTED = ("pp", "pp_received", "pp_gather", "tp", "dp")
+
+
+def reference(kind):
+    model = make_model(kind)
+    x, y = pl.models.sample_batch(model, BATCH, seed=2)
+    loss = pl.models.default_loss(model)(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def check_exact(grid, per_rank):
+    references = {kind: reference(kind) for kind in ("mlp", "gpt")}
+    for c, (kind, shape, schedule, m) in enumerate(grid):
+        layout = Layout(*shape)
+        where = f"{kind} {layout} {schedule} m={m}"
+        ref_loss, ref_grads = references[kind]
+        holders = {}  # parameter -> the ranks holding its gradient
+        for rank in range(layout.world_size):
+            found = per_rank[rank][c]
+            assert found["coordinates"] == layout.coordinates(rank), where
+            torch.testing.assert_close(torch.tensor(found["loss"], dtype=ref_loss.dtype), ref_loss, **TOLERANCE,
+                                       msg=lambda e: f"{where} rank {rank} loss: {e}")
+            for name, grad in found["grads"].items():
+                holders.setdefault(name, []).append(rank)
+                torch.testing.assert_close(grad, ref_grads[name], **TOLERANCE,
+                                           msg=lambda e: f"{where} rank {rank} {name}: {e}")
+        assert set(holders) == set(ref_grads), f"{where}: parameters without a gradient"
+        # each parameter lives on one stage: on all dp · tp ranks of that stage
+        assert all(len(ranks) == layout.dp * layout.tp for ranks in holders.values()), where
+
+
+def check_counts(grid, per_rank):
+    for c, (kind, shape, schedule, m) in enumerate(grid):
+        layout = Layout(*shape)
+        model = make_model(kind)
+        bounds = pl.split(model, layout.pp, "uniform").bounds
+        for rank in range(layout.world_size):
+            counted = per_rank[rank][c]["counts"]
+            expected = expected_communication(model, layout, rank, BATCH, m, bounds)
+            for kind_of in COUNTED:
+                got = {key: counted[kind_of][key] for key in ("messages", "elements")}
+                assert got == expected[kind_of], f"{kind} {layout} {schedule} rank {rank} {kind_of}: " \
+                                                 f"counted {got}, formula {expected[kind_of]}"
+                assert counted[kind_of]["bytes"] == 4 * counted[kind_of]["elements"]  # float32
+            if layout.dp > 1:  # the all-reduce carries what the rank holds
+                assert counted["dp"]["bytes"] == per_rank[rank][c]["parameter_bytes"]
+
+
+def test_tensor_parallel_alone_and_a_plain_pipeline_on_two_ranks():
+    grid = [(kind, shape, schedule, m) for kind in ("mlp", "gpt") for shape in ((1, 1, 2), (1, 2, 1))
+            for schedule, m in (("gpipe", 4), ("1f1b", 1))]
+    per_rank = pl.distributed.launch(cases.run_layouts, 2, grid, True, timeout_seconds=240)
+    check_exact(grid, per_rank)
+    check_counts(grid, per_rank)
+
+
+def test_pp_tp_and_pp_dp_and_tp_dp_on_four_ranks():
+    grid = [(kind, shape, schedule, 4) for kind in ("mlp", "gpt") for shape in ((1, 2, 2), (2, 2, 1), (2, 1, 2))
+            for schedule in ("gpipe", "1f1b")]
+    per_rank = pl.distributed.launch(cases.run_layouts, 4, grid, True, timeout_seconds=300)
+    check_exact(grid, per_rank)
+    check_counts(grid, per_rank)
+    # by hand, tiny GPT (s=6, h=16) PP2 × TP2, rank 0 (stage 0: embedding + 2 layers), 19 samples:
+    # pp: 4 activations of b·6·16/2 = 19·48 = 912 elements; tp: 2 layers · 4 all-reduces of b·96 = 8·19·96
+    gpt_pp_tp = grid.index(("gpt", (1, 2, 2), "1f1b", 4))
+    assert per_rank[0][gpt_pp_tp]["counts"]["pp"]["elements"] == 912
+    assert per_rank[0][gpt_pp_tp]["counts"]["tp"] == {"messages": 32, "bytes": 4 * 14592, "elements": 14592}
+
+
+def test_pp_tp_dp_on_eight_ranks():
+    grid = [("mlp", (2, 2, 2), "gpipe", 4), ("gpt", (2, 2, 2), "1f1b", 4), ("gpt", (2, 2, 2), "gpipe", 2)]
+    per_rank = pl.distributed.launch(cases.run_layouts, 8, grid, True, timeout_seconds=300)
+    check_exact(grid, per_rank)
+    check_counts(grid, per_rank)
+    # parameter memory: a replica's ranks together hold the model once, plus (t-1) copies of what TP replicates
+    model = make_model("gpt")
+    total = sum(p.numel() for p in model.parameters())
+    sharded = sum(p.numel() for n, p in model.named_parameters()
+                  if any(n.endswith(s) for s in ("qkv.weight", "qkv.bias", "proj.weight", "mlp.0.weight",
+                                                 "mlp.0.bias", "mlp.2.weight")))
+    replica = sum(per_rank[rank][1]["parameter_bytes"] for rank in range(4))
+    assert replica == 4 * (total + (2 - 1) * (total - sharded))
+
+
+def test_layout_coordinates_and_errors():
+    layout = Layout(dp=2, pp=2, tp=2)
+    assert [layout.coordinates(r) for r in (0, 1, 2, 5, 7)] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (1, 0, 1), (1, 1, 1)]
+    assert all(layout.rank(*layout.coordinates(r)) == r for r in range(8))
+    assert Layout.for_world(8, data_parallel=2, tensor_parallel=2) == layout
+    assert {str(x) for x in Layout.all_for(4)} == {"dp=1 pp=4 tp=1", "dp=1 pp=2 tp=2", "dp=1 pp=1 tp=4",
+                                                   "dp=2 pp=2 tp=1", "dp=2 pp=1 tp=2", "dp=4 pp=1 tp=1"}
+    with pytest.raises(ValueError, match="dp · tp must divide"):
+        Layout.for_world(6, tensor_parallel=4)
+    with pytest.raises(ValueError, match="Layout.tp must be a positive int"):
+        Layout(tp=0)
