@@ -12,6 +12,7 @@ from .about import about, describe
 from .actions import Action, Schedule
 from .errors import PipelineError, ScheduleError
 from .costs import Costs
+from .layout import Layout
 from .partition import Partition, split
 from .reference import max_gradient_difference, single_device_gradients
 from .runtime.local import Pipeline, StepResult
@@ -33,6 +34,6 @@ def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked
 
 
 __all__ = [
-    "Action", "CheckpointError", "Costs", "DistributedError", "DistributedPipeline", "Event", "Message", "Wait", "compare_engines", "distributed", "simulate", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
+    "Action", "CheckpointError", "Costs", "Layout", "DistributedError", "DistributedPipeline", "Event", "Message", "Wait", "compare_engines", "distributed", "simulate", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
     "StepResult", "Trace", "microbatch", "models", "plot", "quiz", "schedules", "split",
 ]
