@@ -26,7 +26,7 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked for
-    if name in ("plot", "widgets", "distributed", "compare_engines", "quiz", "balance", "communication", "fastest", "gradients", "phases"):
+    if name in ("plot", "widgets", "distributed", "compare_engines", "quiz", "balance", "communication", "fastest", "gradients", "phases", "pipedream", "split_backward"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

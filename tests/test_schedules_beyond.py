@@ -121,7 +121,7 @@ def test_interleaved_sends_v_times_the_messages_of_1f1b_and_a_little_more():
         device_of = {a.stage: d for d, row in enumerate(sched.actions) for a in row}
         walked = sum(2 for a in sched.all_actions() if a.kind == "F" and a.stage > 0
                      and device_of[a.stage] != device_of[a.stage - 1])
-        assert schedules.count_messages(sched) == walked == 2 * m * (p * v - 1)
+        assert schedules.count_messages(sched) == walked == sched.message_count() == 2 * m * (p * v - 1)
         plain = schedules.count_messages(schedules.one_f_one_b(p, m))
         assert plain == 2 * m * (p - 1)
         assert math.isclose(walked / plain, v + (v - 1) / (p - 1))
