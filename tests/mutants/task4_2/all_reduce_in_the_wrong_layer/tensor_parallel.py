@@ -1,0 +1,92 @@
+"""Mutant of task 4.2 (f and g swapped: the column-parallel layer all-reduces its output, the row-parallel one its input's gradient).
+
+Task 4.2: column- and row-parallel linear layers for tensor parallelism (lesson 08).
+
+A Linear y = x Wᵀ + b (W of shape out × in) split over the t ranks of a group, Megatron-LM
+style (Shoeybi et al. 2019, §3):
+
+- **column-parallel**: rank r holds rows r·out/t .. of W (and of b): it computes its slice
+  of the output's features, y_r = x W_rᵀ + b_r, from the whole input x (the same on every
+  rank).  Forward: no communication.  Backward: each rank's x.grad is only its slice's
+  contribution, W_rᵀ-sized; the full gradient of x is their sum — an all-reduce.
+- **row-parallel**: rank r holds columns r·in/t .. of W: from its slice x_r of the input's
+  features it computes a partial output x_r W_rᵀ; the output is the sum over ranks — an
+  all-reduce — and b is added once, after it.  Backward: the output's gradient is the same
+  on every rank; x_r.grad and W_r.grad follow locally.
+
+The two communications are two tiny autograd Functions, Megatron's f and g:
+
+    f = copy_to_parallel_region:      forward identity,     backward all-reduce
+    g = reduce_from_parallel_region:  forward all-reduce,   backward identity
+
+so column_parallel(x) = f(x) W_rᵀ + b_r and row_parallel(x_r) = g(x_r W_rᵀ) + b.  A
+column-parallel layer followed by a row-parallel one (an MLP: fc1, GELU, fc2) needs one
+all-reduce forward and one backward, and the activation between them stays split.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class CopyToParallelRegion(torch.autograd.Function):
+    """f: identity forward; backward, the sum over the group of the incoming gradients (all-reduce)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.clone()  # all_reduce works in place; autograd may reuse the incoming tensor
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ReduceFromParallelRegion(torch.autograd.Function):
+    """g: forward, the sum over the group (all-reduce); backward identity."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group) -> Tensor:
+        total = x.clone()
+        dist.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group=None) -> Tensor:
+    """This rank's slice of the output features: f(x) @ weightᵀ + bias.
+
+    Args:
+        x: the whole input (batch..., in), the same on every rank of `group`.
+        weight: this rank's rows of W, (out / t, in).
+        bias: this rank's slice of b, (out / t,), or None.
+        group: the tensor-parallel process group (None: the whole world).
+
+    Returns:
+        (batch..., out / t): features r·out/t .. (r+1)·out/t − 1 of x Wᵀ + b.
+    """
+    y = ReduceFromParallelRegion.apply(x @ weight.t(), group)
+    return y if bias is None else y + bias
+
+
+def row_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group=None) -> Tensor:
+    """The whole output from this rank's slice of the input features: g(x @ weightᵀ) + bias.
+
+    Args:
+        x: this rank's slice of the input features, (batch..., in / t).
+        weight: this rank's columns of W, (out, in / t).
+        bias: the whole b, (out,), the same on every rank (added once, after the sum), or None.
+        group: the tensor-parallel process group (None: the whole world).
+
+    Returns:
+        (batch..., out): x Wᵀ + b of the whole input, on every rank.
+    """
+    y = CopyToParallelRegion.apply(x, group) @ weight.t()
+    return y if bias is None else y + bias
