@@ -1,0 +1,49 @@
+"""The hybrid-layout predictor against closed forms (and the simulator it calls, where said)."""
+
+import math
+
+import pytest
+
+import pipelab as pl
+from pipelab.hybrid_costs import Link, ModelCosts, all_reduce_seconds, cluster_links, predict
+
+MODEL = ModelCosts(forward_seconds=8.0, backward_seconds=16.0, activation_bytes=1e6, n_layers=16, parameter_bytes=8e9)
+# a GPT layer stack of h=8192 at s=2048, one sequence per micro-batch in bf16: A = 2048·8192·2 bytes
+GPT = ModelCosts(forward_seconds=0.8, backward_seconds=1.6, activation_bytes=2048 * 8192 * 2, n_layers=16,
+                 parameter_bytes=2 * 16 * 12 * 8192**2)
+FREE = {dim: Link(0.0, math.inf) for dim in ("tp", "pp", "dp")}
+
+
+def test_free_links_give_the_pipeline_of_the_divided_compute():
+    # p=1: one stage, m micro-batches one after the other: m·(F + B)/t (closed form)
+    assert predict(pl.Layout(tp=4), MODEL, FREE, 4).step_seconds == pytest.approx(4 * 24 / 4)
+    # p=4, 1F1B with free links: (m + p − 1)·(F + B) per stage (closed form), F + B = 24 / 4
+    assert predict(pl.Layout(pp=4), MODEL, FREE, 8).step_seconds == pytest.approx((8 + 3) * 24 / 4)
+
+
+def test_tensor_parallel_all_reduces_sit_inside_forward_and_backward():
+    link = Link(1e-3, 1e9)
+    links = {**FREE, "tp": link}
+    one = 2 * (2 - 1) / 2 * 1e6 / 1e9 + 2 * 1e-3  # ring all-reduce of 1 MB on 2 ranks
+    assert all_reduce_seconds(1e6, 2, link) == pytest.approx(one)
+    # p=1, m=2: each micro-batch: F/2 + 16 layers·2 all-reduces, B/2 + 16·2 all-reduces
+    expected = 2 * (24 / 2 + 16 * 4 * one)
+    assert predict(pl.Layout(tp=2), MODEL, links, 2).step_seconds == pytest.approx(expected)
+
+
+def test_data_parallel_all_reduce_after_the_drain():
+    links = {**FREE, "dp": Link(0.0, 1e10)}
+    found = predict(pl.Layout(dp=4, pp=2), MODEL, links, 4)
+    assert found.dp_seconds == pytest.approx(2 * 3 / 4 * (8e9 / 2) / 1e10)
+    assert found.step_seconds == pytest.approx(found.pipeline_seconds + found.dp_seconds)
+    assert found.parameter_bytes_per_device == 8e9 / 2
+
+
+def test_links_follow_the_mesh_and_tensor_parallelism_across_nodes_loses():
+    inside, between = (2e-6, 300e9), (10e-6, 12.5e9)
+    assert cluster_links(pl.Layout(pp=2, tp=8), 8, inside, between) == {
+        "tp": Link(*inside), "pp": Link(*between), "dp": Link(*between)}
+    steps = {str(layout): predict(layout, GPT, cluster_links(layout, 8, inside, between), 8).step_seconds
+             for layout in (pl.Layout(pp=2, tp=8), pl.Layout(tp=16), pl.Layout(pp=16))}
+    assert steps["dp=1 pp=2 tp=8"] < steps["dp=1 pp=1 tp=16"]  # TP over the slow link loses
+    assert predict(pl.Layout(pp=4, tp=4), MODEL, FREE, 8).bytes_per_device["pp"] == 2 * 8 * 1e6 / 4
