@@ -6,6 +6,7 @@ The widget layer only wires controls to plain, tested functions: `explorer_view`
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass
 
 import torch
@@ -14,6 +15,7 @@ from .costs import Costs
 from .gc_pause import gc_paused
 from .schedules import GENERATORS, by_name
 from .simulate import simulate
+from .throttle import Throttle
 from .trace import Trace
 
 REAL_RUN_LIMITS = {"n_devices": 8, "n_microbatches": 16}
@@ -29,6 +31,7 @@ class ExplorerView:
     trace: Trace
     formula_bubble: float  # (p-1)/(m+p-1): GPipe §2.3, Megatron-LM SC21 §2.2.1 (no communication)
     memory_budget: float | None = None  # per device, in micro-batch activation units
+    inputs: tuple = ()  # explorer_view's arguments, the memory budget last: what the pictures depend on
 
     @property
     def out_of_memory(self) -> list[int]:
@@ -39,12 +42,15 @@ class ExplorerView:
 
     @property
     def summary(self) -> str:
+        from .plot import devices_named
+
         t = self.trace
+        peak = t.peak_memory[0] / UNIT
         text = (f"{t.schedule_name}: p={t.n_stages}, m={t.n_microbatches} — simulated bubble "
                 f"{t.bubble_fraction:.1%}, formula (p-1)/(m+p-1) = {self.formula_bubble:.1%}; "
-                f"peak activations on device 0: {t.peak_memory[0] / UNIT:.3g} micro-batches")
+                f"peak activations on device 0: {peak:.3g} micro-batch{'' if peak == 1 else 'es'}")
         if self.out_of_memory:
-            text += f" — OUT OF MEMORY on device(s) {self.out_of_memory}"
+            text += f" — OUT OF MEMORY on {devices_named(self.out_of_memory)}"
         return text
 
 
@@ -62,12 +68,14 @@ def explorer_view(n_devices: int, n_microbatches: int, schedule: str = "1f1b", b
     trace = simulate(by_name(schedule, n_devices, n_microbatches),
                      Costs(forward=1.0, backward=backward_ratio, latency=latency, memory_bytes=UNIT,
                            input_bytes=INPUT_SHARE * UNIT), checkpoint=checkpoint)
-    return ExplorerView(trace, (n_devices - 1) / (n_microbatches + n_devices - 1), memory_budget)
+    inputs = (n_devices, n_microbatches, schedule, backward_ratio, latency, checkpoint, memory_budget or None)
+    return ExplorerView(trace, (n_devices - 1) / (n_microbatches + n_devices - 1), memory_budget, inputs)
 
 
 def explorer_figures(view: ExplorerView):
-    """The explorer's two pictures of a view, made one at a time: its timeline, then its
-    activation memory (in micro-batch units)."""
+    """The explorer's two pictures of a view as new figures, one at a time: its timeline, then its
+    activation memory (in micro-batch units).  The widget draws the same into figures it keeps
+    (`ExplorerPanels`)."""
     from . import plot
 
     yield plot.timeline(view.trace)
@@ -76,28 +84,141 @@ def explorer_figures(view: ExplorerView):
                       unit_name="micro-batches")
 
 
-def explorer_pictures(view: ExplorerView):
-    """`explorer_figures` as PNG bytes, one at a time: exactly what a slider change computes."""
-    figures = explorer_figures(view)
-    while True:
-        with gc_paused(collect_young=True):  # see pipelab.gc_pause: a figure is a burst of allocations
-            fig = next(figures, None)
-            if fig is None:
-                return
-            png = _png(fig)
+class ExplorerPanels:
+    """The explorer's two pictures, drawn into two figures kept for the widget's life.
+
+    A new matplotlib figure costs as much as drawing it (axes, 16 y ticks, spines), so each
+    picture only empties its axes and draws the view anew, then encodes one PNG.  The last
+    `cached` pictures are remembered by the values they depend on, so one the sliders
+    already showed (dragging back, or a budget change, which leaves the timeline as it
+    was) costs nothing.
+    """
+
+    def __init__(self, cached: int = 32):
+        self.cached = cached  # pictures remembered (0: none, as a benchmark of the drawing wants)
+        self.timeline_figure, self.timeline_axes = _kept_figure()
+        self.memory_figure, self.memory_axes = _kept_figure()
+        self.memory_heatmap, self.colorbar = None, None
+        self.cache: dict[tuple, bytes] = {}
+
+    def pictures(self, view: ExplorerView) -> tuple[bytes, bytes]:
+        """(timeline, memory) PNGs of `view`."""
+        return self.timeline(view), self.memory(view)
+
+    def timeline(self, view: ExplorerView) -> bytes:
+        return self._cached(("timeline", *view.inputs[:-1]), lambda: self._draw_timeline(view))
+
+    def memory(self, view: ExplorerView) -> bytes:
+        return self._cached(("memory", *view.inputs), lambda: self._draw_memory(view))
+
+    def _cached(self, key: tuple, draw) -> bytes:
+        if key in self.cache:
+            return self.cache[key]
+        png = draw()
+        if self.cached:
+            if len(self.cache) >= self.cached:
+                del self.cache[next(iter(self.cache))]  # the oldest
+            self.cache[key] = png
+        return png
+
+    def _draw_timeline(self, view: ExplorerView) -> bytes:
+        from . import plot
+
+        _empty(self.timeline_axes)
+        plot.fit_timeline(self.timeline_figure, view.trace)
+        plot.draw_timeline(self.timeline_axes, view.trace)
+        png = _encode(self.timeline_figure)
+        _pin_x_label(self.timeline_axes)
+        return png
+
+    def _draw_memory(self, view: ExplorerView) -> bytes:
+        from . import plot
+
+        fig, ax = self.memory_figure, self.memory_axes
+        heatmap = view.trace.n_devices >= plot.HEATMAP_FROM
+        if heatmap != self.memory_heatmap:  # lines <-> heat-map: start from new axes
+            for old in fig.axes:
+                old.remove()
+            self.memory_axes = ax = fig.add_subplot()
+            self.memory_heatmap, self.colorbar = heatmap, None
+        _empty(ax)
+        plot.fit_memory(fig, heatmap)
+        budget = view.memory_budget * UNIT if view.memory_budget else None
+        image = plot.draw_memory(ax, view.trace, budget_bytes=budget, unit_bytes=UNIT, unit_name="micro-batches",
+                                 heatmap=heatmap, legend_outside=True)
+        if image is not None:
+            self.colorbar = plot.colorbar(fig, image, "micro-batches", budget, self.colorbar)
+        png = _encode(fig)
+        _pin_x_label(ax)
+        return png
+
+
+def _kept_figure():
+    """A figure outside pyplot (no notebook backend shows or keeps it), drawn by Agg, with one axes."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    figure = Figure(dpi=DPI)
+    FigureCanvasAgg(figure)
+    return figure, figure.add_subplot()
+
+
+def _pin_x_label(ax) -> None:
+    """Keep the x label where the draw just put it.  Left to itself matplotlib measures every tick
+    label again at each draw to place it, but the panels keep their bottom margin (in inches)
+    and their tick labels' height, so the place does not change."""
+    label = ax.xaxis.label
+    ax.xaxis.set_label_coords(*label.get_position(), transform=label.get_transform())
+
+
+def _empty(ax) -> None:
+    """Remove what a picture drew on `ax` (lines, patches, texts, images, collections, legend), keep the axes."""
+    for artist in [*ax.lines, *ax.patches, *ax.texts, *ax.images, *ax.collections, *ax.artists]:
+        artist.remove()
+    if ax.legend_ is not None:
+        ax.legend_.remove()
+    ax.ignore_existing_data_limits = True  # autoscaling forgets the removed lines
+
+
+DPI = 80
+
+
+def _encode(fig) -> bytes:
+    """Draw `fig` and encode its pixels once as a PNG of 256 colours (fastest zlib level).
+
+    A slider waits on it: reduced to a palette (Pillow's fast octree), the picture looks
+    the same, encodes in 2/3 of the time and is a third the size to send to the browser.
+    """
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    fig.canvas.draw()
+    pixels = Image.fromarray(np.ascontiguousarray(np.asarray(fig.canvas.buffer_rgba())[..., :3]))
+    buffer = io.BytesIO()
+    pixels.quantize(256, method=Image.Quantize.FASTOCTREE).save(buffer, format="png", compress_level=1)
+    return buffer.getvalue()
+
+
+def explorer_pictures(view: ExplorerView, panels: ExplorerPanels | None = None):
+    """The explorer's pictures of `view` as PNG bytes, one at a time (timeline, then memory): exactly
+    what a slider change computes, drawn into `panels` (new ones if not given)."""
+    panels = panels or ExplorerPanels()
+    for draw in (panels.timeline, panels.memory):
+        with gc_paused(collect_young=True):  # see pipelab.gc_pause: a picture is a burst of allocations
+            png = draw(view)
         yield png
 
 
 def _png(fig) -> bytes:
-    """The figure as PNG bytes, then closed."""
-    import io
-
+    """A new pyplot figure as PNG bytes, then closed."""
     import matplotlib.pyplot as plt
 
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=80, pil_kwargs={"compress_level": 1})  # fast to encode: a slider waits on it
+    fig.set_dpi(DPI)
+    png = _encode(fig)
     plt.close(fig)
-    return buffer.getvalue()
+    return png
 
 
 def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", width: int = 256,
@@ -128,8 +249,11 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
 
     Returns an `ipywidgets.VBox`; `box.controls` holds the controls (devices, micro-batches,
     schedule, t_B/t_F, latency, checkpoint, memory budget in micro-batch units, 0 = none),
-    `box.view` the latest `ExplorerView` and `box.real` the latest (predicted, measured)
-    pair of a real run.
+    `box.view` the latest `ExplorerView` (updated at every change), `box.real` the latest
+    (predicted, measured) pair of a real run and `box.real_for` its (p, m, schedule): the
+    comparison is hidden, and said to be out of date, while the sliders show other values.
+    The pictures are redrawn through `box.pictures`, a `Throttle`: a drag shows a picture
+    every redraw (+ 40 ms) and always ends on the last values.
     """
     import ipywidgets as w
 
@@ -154,30 +278,54 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
                   w.HBox([controls["backward_ratio"], controls["latency"], button]),
                   w.HBox([controls["checkpoint"], controls["memory_budget"]]),
                   summary, timeline_image, memory_image, real_message, real_image])
-    box.controls, box.real = controls, None
+    box.controls, box.real, box.real_for = controls, None, None
     real_image.layout.display = "none"  # until there is a real run to show
+    panels = ExplorerPanels()
 
-    def redraw(_=None):
+    def pictures():
+        try:
+            for image, png in zip((timeline_image, memory_image), explorer_pictures(box.view, panels)):
+                image.value = png  # a picture of our own: no dependence on the notebook's plot backend
+        except Exception as error:  # a booked draw runs outside any cell: say what went wrong here
+            summary.value = f"<b>could not draw the pictures: {html.escape(repr(error))}</b>"
+            raise
+
+    box.pictures = Throttle(pictures)
+
+    def update(_=None):
         box.view = explorer_view(**{name: c.value for name, c in controls.items()})
-        summary.value = f"<b>{box.view.summary}</b>"
-        for image, png in zip((timeline_image, memory_image), explorer_pictures(box.view)):
-            image.value = png  # a picture of our own: no dependence on the notebook's plot backend
+        summary.value = f"<b>{html.escape(box.view.summary)}</b>"  # the numbers at once, the pictures throttled
+        show_real_run()
+        box.pictures()
+
+    def show_real_run():
+        if box.real_for is None:
+            return
+        p, m, schedule = box.real_for
+        current = (controls["n_devices"].value, controls["n_microbatches"].value, controls["schedule"].value)
+        if current == box.real_for:
+            real_message.value = f"<b>run for real, {schedule}, p={p}, m={m}: predicted (above) and measured (below), one time axis</b>"
+            real_image.layout.display = None
+        else:  # a picture of other values would pass for these: hide it, say whose it was
+            real_message.value = (f"<i>the real run was for p={p}, m={m}, {schedule} (out of date, hidden): "
+                                  f"press \u201c{button.description}\u201d for the sliders' values</i>")
+            real_image.layout.display = "none"
 
     def real(_=None):
         real_message.value = "<i>running the engine on the CPU…</i>"
+        p, m, schedule = (controls["n_devices"].value, controls["n_microbatches"].value, controls["schedule"].value)
         try:
-            box.real = run_for_real(controls["n_devices"].value, controls["n_microbatches"].value,
-                                    controls["schedule"].value)
+            box.real = run_for_real(p, m, schedule)
         except ValueError as error:
-            real_message.value = f"<b>{error}</b>"
+            real_message.value = f"<b>{html.escape(str(error))}</b>"
             real_image.layout.display = "none"
             return
-        real_message.value = "<b>predicted (above) and measured (below), one time axis</b>"
+        box.real_for = (p, m, schedule)
         real_image.value = _png(plot.compare(*box.real))
-        real_image.layout.display = None
+        show_real_run()
 
     for control in controls.values():
-        control.observe(redraw, names="value")
+        control.observe(update, names="value")
     button.on_click(real)
-    redraw()
+    update()
     return box
