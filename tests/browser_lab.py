@@ -198,6 +198,15 @@ def wait_kernel_idle(page, timeout_seconds: float = 30) -> None:
     page.wait_for_function(KERNEL_IDLE, timeout=timeout_seconds * 1000, polling=50)
 
 
+def shut_down_kernel(page, timeout_seconds: float = 20) -> None:
+    """Shut down the kernel of the page's notebook, if it has one."""
+    page.evaluate("""async (ms) => {
+        const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+        if (!panel || !panel.sessionContext || !panel.sessionContext.session) return;
+        await Promise.race([panel.sessionContext.shutdown(), new Promise((done) => setTimeout(done, ms))]);
+    }""", timeout_seconds * 1000)
+
+
 def run_all_cells(page, timeout_seconds: float) -> dict:
     """Run → Run All Cells, then wait until no cell runs and the kernel is idle: the state then."""
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")

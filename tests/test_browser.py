@@ -34,8 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LESSONS = sorted((ROOT / "lessons").glob("*.ipynb"))
 LESSON_SECONDS = 150  # a lesson must run "well under two minutes" on 2 cores
 SCREENSHOTS = os.environ.get("PIPELAB_SCREENSHOTS")  # a directory (relative to the repository), or unset
-# Lessons whose screenshot goes to the README: the cell the picture starts at (its first
-# code cell containing this text; the lesson's first picture if none does).
+# Lessons whose screenshot goes to the README: the picture of the first code cell that
+# contains this text and draws one (the lesson's first picture if none does).
 SCREENSHOT_CELLS = {"03_gpipe.ipynb": "pl.plot.timeline(", "06_one_process_to_many.ipynb": "pl.plot.stacked("}
 VIEWPORT = {"width": 1280, "height": 900}
 EXPLORER_NOTEBOOK = "explorer_check.ipynb"
@@ -95,13 +95,15 @@ def _explorer_notebook() -> dict:
 
 @pytest.fixture
 def page(browser):
-    """A fresh tab; `page.console_errors` collects console errors and uncaught exceptions."""
+    """A fresh tab; `page.console_errors` collects console errors and uncaught exceptions.
+    Its notebook's kernel is shut down after the test (ten idle kernels hold gigabytes)."""
     tab = browser.new_page()
     tab.console_errors = []
     tab.on("console", lambda message: tab.console_errors.append(f"console.{message.type}: {message.text}")
            if message.type == "error" else None)
     tab.on("pageerror", lambda error: tab.console_errors.append(f"uncaught: {error}"))
     yield tab
+    browser_lab.shut_down_kernel(tab)
     tab.close()
 
 
@@ -137,23 +139,28 @@ def test_lesson_runs_in_jupyterlab(lab, page, lesson):
 
 
 def _lesson_screenshot(page, state: dict, code_text: str, path: Path) -> None:
-    """The viewport, scrolled to the cell before the chosen code cell (its explanation)."""
-    index = next((i for i, cell in enumerate(state["cells"]) if code_text in cell["source"]), None)
+    """The viewport with the chosen code cell's picture at its bottom and the code above it."""
+    index = next((i for i, cell in enumerate(state["cells"])
+                  if code_text in cell["source"] and _has_picture(cell)), None)
     if index is None:  # the lesson changed: its first picture instead
-        index = next(i for i, cell in enumerate(state["cells"])
-                     if any("image/png" in output.get("data", {}) for output in cell["outputs"]))
+        index = next(i for i, cell in enumerate(state["cells"]) if _has_picture(cell))
     page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
     page.evaluate("""(codeIndex) => {
         const notebook = window.jupyterapp.shell.currentWidget.content;
         const cells = notebook.widgets;
         const target = cells.filter((cell) => cell.model.type === 'code')[codeIndex];
-        const before = cells[Math.max(cells.indexOf(target) - 1, 0)];
-        notebook.activeCellIndex = cells.indexOf(before);
-        before.node.scrollIntoView({block: 'start'});
+        notebook.activeCellIndex = cells.indexOf(target);
+        const picture = target.node.querySelector('.jp-OutputArea-output img');
+        const fits = picture.getBoundingClientRect().height < notebook.node.getBoundingClientRect().height;
+        picture.scrollIntoView({block: fits ? 'end' : 'start'});
     }""", index)
     page.wait_for_timeout(800)
     browser_lab.save_small_png(page.screenshot(), path)
     page.evaluate("() => window.jupyterapp.commands.execute('application:toggle-left-area')")
+
+
+def _has_picture(cell: dict) -> bool:
+    return any("image/png" in output.get("data", {}) for output in cell["outputs"])
 
 
 # The explorer: its sliders (found by their labels), its pictures and its text.
