@@ -7,8 +7,10 @@ def gpipe_schedule(n_stages: int, n_microbatches: int) -> list[list[tuple[str, i
     """GPipe (fill-drain): every forward, then every backward (Huang et al. 2019, §2.3).
 
     A schedule is data: row d is the ordered list of actions device d runs in one training
-    step.  An action is a tuple ``(kind, stage, microbatch)``: ``("F", 2, 0)`` is the
-    forward of micro-batch 0 through stage 2, ``("B", 2, 0)`` its backward.  Device s runs
+    step.  An action is a tuple ``(kind, stage, microbatch)`` of a ``str`` and two
+    ``int``: ``("F", 2, 0)`` is the forward of micro-batch 0 through stage 2, ``("B", 2,
+    0)`` its backward.  The table is a list of lists, new at each call (the caller may
+    change it).  Device s runs
     stage s (p = ``n_stages`` devices), and its row is
 
         F(s, 0), F(s, 1), ..., F(s, m-1),   B(s, 0), B(s, 1), ..., B(s, m-1)

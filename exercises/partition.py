@@ -16,8 +16,11 @@ def balanced_bounds(costs: Sequence[float], n_stages: int) -> list[tuple[int, in
         max_s  sum_{b_s <= i < b_{s+1}}  c_i
 
     Stage s holds layers ``b_s .. b_{s+1} - 1`` and is returned as the half-open pair
-    ``(b_s, b_{s+1})``; every stage gets at least one layer.  When several splits reach
-    the same bottleneck, any one of them is a correct answer.
+    ``(b_s, b_{s+1})``; every stage gets at least one layer, even a layer of cost 0.
+    Returns a new list of ``n_stages`` tuples of two ``int``.  When several splits reach
+    the same bottleneck, any one of them is a correct answer: 8 equal layers on 3 stages
+    may be split 3, 3, 2 or 3, 2, 3 or 2, 3, 3 layers, not 2, 2, 4.  ``costs`` may be a
+    list or a tuple, of ints or floats; it is left unchanged.
 
     Filling each stage up to ``sum(costs) / n_stages`` (greedy) is *not* optimal.  Hint:
     dynamic programming over "the first j layers on k stages", O(p n^2), or a search over

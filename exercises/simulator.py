@@ -33,6 +33,9 @@ def simulate_core(
     for each other, or a dependency is in no list at all): raise ValueError, and let its
     message name a stuck action as its tuple, e.g. ``('B', 0, 0)``.  Never loop forever.
 
+    ``actions`` (lists or tuples) is left unchanged.  Returns a new dict whose values
+    are ``(start, end)`` tuples of ``float``, even when ``duration`` returns ints.
+
     Two stages, one micro-batch, forwards of 1 s and backwards of 2 s:
 
     >>> table = [[("F", 0, 0), ("B", 0, 0)], [("F", 1, 0), ("B", 1, 0)]]

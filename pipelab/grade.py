@@ -9,9 +9,14 @@ For the chosen tasks it runs, in a subprocess,
 
     python -m pytest tests/tasks -m "task1_1 or ..." --impl exercises --timeout 60
 
-and prints one line per task: ✅ passed, ❌ failing (the first failure, how to rerun it,
-and the lesson to read) or ⏳ not started (every test still meets the stub's
-NotImplementedError).  A test that runs past the timeout is stopped and reported as
+and prints one line per task: ✅ passed, ❌ failing, or ⏳ not started (every test still
+meets the stub's NotImplementedError).  For a failing task it shows the first failure:
+the property broken (the contract line of the docstring, which the assertion's message
+starts with), hypothesis' failing example, what happened, and how to rerun it.
+
+Nothing is written into the checkout: hypothesis' database and caches go to a temporary
+folder, and no bytecode is cached.  Each run draws new examples (a random hypothesis
+seed); the rerun command names that seed, so it tries the same examples again.  A test that runs past the timeout is stopped and reported as
 "timed out: probably an infinite loop"; the other tests of that task are then skipped.
 If a test ignores the timeout (a loop inside C code, or hypothesis retrying a hanging
 example), a watchdog here kills the run and runs the remaining tasks again without it.
@@ -27,10 +32,12 @@ import argparse
 import importlib.util
 import json
 import os
+import random
 import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +60,8 @@ class TestOutcome:
     error_type: str = ""
     raised_in: str = ""  # "exercises/partition.py:52": the deepest frame of non-library code
     function: str = ""  # the function of that frame
+    property: str = ""  # the contract line the failure breaks (the assertion's first line)
+    example: str = ""  # hypothesis' failing example: "case=([0, 3, 1, 3], 3)"; "" if none
 
 
 @dataclass
@@ -124,7 +133,7 @@ def run_task_tests(
         outcomes[hung] = TestOutcome(
             hung, hung_task, "timed_out", hung_impl,
             f"timed out: still running after {_hard_limit_s(timeout_s):.0f} s and stopped "
-            "(probably an infinite loop)",
+            "(probably an infinite loop)", property="returns in time (no infinite loop)",
         )
         unfinished = {t for nodeid, t in attempt["collected"].items() if nodeid not in outcomes}
         for nodeid, t in attempt["collected"].items():
@@ -150,13 +159,20 @@ def _run_pytest_once(impl, tasks, timeout_s, pytest_args) -> dict:
             # Only the graded tests: no addopts from pyproject (nbval's options), and no
             # nbval plugin (2 s of imports), no cache; -q, --timeout and -m set here.
             "-o", "addopts=", "-p", "no:nbval", "-p", "no:cacheprovider",
-            f"--timeout={timeout_s}", "-q", *pytest_args,
+            f"--timeout={timeout_s}", "-q", "--hypothesis-profile=pipelab-grade", *pytest_args,
         ]
         if tasks is not None:
             command += ["-m", " or ".join(marker(t) for t in tasks)]
         state = {"collected": {}, "outcomes": {}, "errors": [], "hung": None, "running": None}
         with open(log, "wb") as output:
-            env = {**os.environ, "PIPELAB_GRADE_RECORD": str(record)}
+            env = {
+                **os.environ,
+                "PIPELAB_GRADE_RECORD": str(record),
+                # Nothing written into the checkout: hypothesis' database and caches in
+                # this temporary folder, no __pycache__ next to the code under test.
+                "HYPOTHESIS_STORAGE_DIRECTORY": str(Path(tmp) / "hypothesis"),
+                "PYTHONDONTWRITEBYTECODE": "1",
+            }
             process = subprocess.Popen(
                 command, cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT
             )
@@ -218,7 +234,7 @@ def task_status(outcomes: list[TestOutcome]) -> str:
     return "failing"
 
 
-def format_report(run: TestRun, tasks: list[str], impl: str) -> str:
+def format_report(run: TestRun, tasks: list[str], impl: str, seed: int | None = None) -> str:
     symbols = _symbols()
     titles = task_titles()
     lines = [f"pipelab grade: {impl if impl in PACKAGES else Path(impl)}", ""]
@@ -239,7 +255,7 @@ def format_report(run: TestRun, tasks: list[str], impl: str) -> str:
             lines.append(f"      still raising NotImplementedError: {', '.join(stubs)}")
         else:
             lines.append(f"{head}: failing ({n_ok} of {len(outcomes)} tests pass)")
-            lines += _first_failure(outcomes, impl)
+            lines += _first_failure(outcomes, impl, seed)
         if lesson:
             lines.append(f"      read:  {lesson_path(lesson)}")
     for error in run.errors:
@@ -252,21 +268,35 @@ def format_report(run: TestRun, tasks: list[str], impl: str) -> str:
     return "\n".join(lines)
 
 
-def _first_failure(outcomes: list[TestOutcome], impl: str) -> list[str]:
+def _first_failure(outcomes: list[TestOutcome], impl: str, seed: int | None = None) -> list[str]:
+    """The first failing test: the property it checks, hypothesis' failing example, what
+    happened, and the command that reruns it (with the same seed, so the same examples)."""
     failing = [o for o in outcomes if o.status in ("failed", "timed_out")]
     failing = failing or [o for o in outcomes if o.status not in ("passed", "skipped")]
     if not failing:
         return []
     first = failing[0]
-    lines = [f"      first failure:  {first.nodeid}"]
-    lines += [f"        {line}" for line in first.message.splitlines()]
-    if first.raised_in:
-        lines.append(f"        (at {first.raised_in}, in {first.function})")
+    lines = []
+    if first.property:
+        lines.append(f"      broken:  {first.property}")
+    if first.example:
+        lines.append(f"      failing example:  {first.example}")
+    happened = first.message.removeprefix("AssertionError: ").splitlines()
+    if happened and first.property and happened[0].strip() == first.property:
+        happened = happened[1:]
+    if first.property and "assert " in "".join(happened):  # pytest's rendering of the assert
+        happened = happened[: next(i for i, line in enumerate(happened) if line.startswith("assert "))]
+    if happened:
+        lines.append("      what happened:")
+        lines += [f"        {line}" for line in textwrap.dedent("\n".join(happened)).splitlines()]
+    where = f"  (at {first.raised_in}, in {first.function})" if first.raised_in else ""
+    lines.append(f"      test:  {first.nodeid}{where}")
     not_run = sum(o.status in ("skipped", "not_run") for o in outcomes)
     if not_run:
         lines.append(f"      ({not_run} other test{'s were' if not_run > 1 else ' was'} not run)")
     impl_option = "" if impl == "exercises" else f" --impl {impl}"
-    lines.append(f'      rerun it:  python -m pytest "{first.nodeid}"{impl_option}')
+    seed_option = f" --hypothesis-seed={seed}" if seed is not None and first.example else ""
+    lines.append(f'      rerun it:  python -m pytest "{first.nodeid}"{impl_option}{seed_option}')
     return lines
 
 
@@ -316,8 +346,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{', '.join(valid)} (write them as 1.1 or task1_1)", file=sys.stderr)
         return 2
 
+    seed = None  # hypothesis draws new examples each time; the report's rerun line reuses them
+    if not any(arg.startswith("--hypothesis-seed") for arg in pytest_args):
+        seed = random.SystemRandom().randrange(2**32)
+        pytest_args = [f"--hypothesis-seed={seed}", *pytest_args]
     run = run_task_tests(args.impl, tasks, timeout_s=args.timeout, pytest_args=tuple(pytest_args))
-    print(format_report(run, tasks, args.impl))
+    print(format_report(run, tasks, args.impl, seed))
     passed = all(task_status([o for o in run.outcomes if o.task == t]) == "passed" for t in tasks)
     return 0 if passed and not run.errors else 1
 

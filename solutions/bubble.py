@@ -17,7 +17,8 @@ def bubble_fraction_formula(n_stages: int, n_microbatches: int) -> float:
 
     (GPipe, Huang et al. 2019, §2.3; Megatron-LM, Narayanan et al. SC21, §2.2.1, which
     also writes it relative to the ideal time m (t_F + t_B) as (p - 1) / m: that is
-    another number, not the share of the step asked for here).
+    another number, not the share of the step asked for here).  Returns a ``float``
+    (``0.0``, not ``0``, for one stage; not a ``Fraction`` or a numpy float).
 
     >>> bubble_fraction_formula(4, 8)  # 3 / 11
     0.2727272727272727
@@ -38,8 +39,9 @@ def bubble_fraction_formula(n_stages: int, n_microbatches: int) -> float:
 def bubble_fraction_from_events(events: Sequence[tuple[int, float, float]], n_devices: int) -> float:
     """The idle share of a step, measured from what each device did and when.
 
-    ``events`` lists every computation of the step as ``(device, start, end)`` (seconds;
-    a device's own events do not overlap).  The step lasts from the first start to the
+    ``events`` lists every computation of the step as ``(device, start, end)`` (seconds,
+    int or float; a device's own events do not overlap), in any order, as a list or a
+    tuple; it is left unchanged.  The step lasts from the first start to the
     last end, makespan = max(end) - min(start), during which the ``n_devices`` devices
     could have computed for n_devices x makespan; they computed for sum(end - start):
 
@@ -47,6 +49,7 @@ def bubble_fraction_from_events(events: Sequence[tuple[int, float, float]], n_de
 
     A device with no event at all was idle for the whole step and counts too.  When the
     makespan is 0 (every event starts and ends at the same instant) the answer is 0.0.
+    Returns a ``float``, as :func:`bubble_fraction_formula` does.
 
     >>> # device 0 computes in [0, 1] and [3, 4], device 1 in [1, 3]: 4 s of 2 x 4 s
     >>> bubble_fraction_from_events([(0, 0.0, 1.0), (1, 1.0, 3.0), (0, 3.0, 4.0)], 2)

@@ -18,7 +18,8 @@ def peak_inflight(events: Sequence[Event], n_stages: int) -> list[int]:
     in flight together.  A stage's events may overlap in time (a runtime can start the
     next forward while a backward runs): count intervals, do not assume one action at a
     time.  Return the peak count for each stage 0 .. n_stages - 1 (0 for a stage without
-    events).
+    events), a list of ``int``.  ``events`` may be a list or a tuple; it is left
+    unchanged.
 
     GPipe holds m micro-batches on every stage; 1F1B holds min(p - s, m) on stage s
     (PipeDream-2BW §3.2; DeepSpeed's ``num_pipe_buffers``).  Hint: turn each event into a
@@ -51,7 +52,8 @@ def peak_activation_bytes(
     Same trace as :func:`peak_inflight`.  Stage s keeps ``bytes_per_microbatch[s]`` bytes
     for micro-batch i from the *end* of F(s, i) (when its activations exist) to the end of
     B(s, i) (when the backward has used them).  As there, a release and an acquisition at
-    the same instant do not overlap.  Return the peak bytes for each stage.
+    the same instant do not overlap.  Return the peak bytes for each stage, a list of
+    ``int``; ``events`` and ``bytes_per_microbatch`` (lists or tuples) are left unchanged.
 
     >>> trace = [(0, "F", 0, 0.0, 1.0), (0, "F", 1, 1.0, 2.0),
     ...          (0, "B", 0, 2.0, 3.0), (0, "B", 1, 3.0, 4.0)]
@@ -59,8 +61,9 @@ def peak_activation_bytes(
     [200]
 
     Raises:
-        ValueError: as :func:`peak_inflight`; and if ``len(bytes_per_microbatch)`` is not
-            ``n_stages``.
+        ValueError: as :func:`peak_inflight` (if ``n_stages < 1``, or an event's stage
+            is not one of 0 .. n_stages - 1); and if ``len(bytes_per_microbatch)`` is
+            not ``n_stages``.
     """
     _check_events(events, n_stages)
     if len(bytes_per_microbatch) != n_stages:

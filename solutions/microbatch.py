@@ -11,9 +11,13 @@ def split(batch: Any, n: int) -> list:
     """Split ``batch`` into ``n`` micro-batches along dimension 0.
 
     ``batch`` is a tensor or any nesting of tuples, lists and dicts whose leaves are
-    tensors or other values.  Every tensor leaf is cut along dim 0; every other leaf (an
-    int, a string, None, ...) is passed unchanged, the same object, to every micro-batch.
-    Each micro-batch has the structure of ``batch``.
+    tensors or other values.  Every tensor leaf is cut along dim 0 into slices of itself,
+    as ``torch.tensor_split`` cuts it: the same dtype (float64, bfloat16, int64, ...) and
+    device, and gradients flow back to the leaf.  Every other leaf (an int, a string,
+    None, an object of any class, ...) is passed unchanged, the same object, not a copy,
+    to every micro-batch.  Returns a list of ``n`` micro-batches, each with the structure
+    of ``batch``: the same container types, a dict's keys in the same order.  ``batch``
+    itself is left unchanged.
 
     With B the batch size (dim 0 of every tensor leaf), micro-batch k gets
 
@@ -29,8 +33,8 @@ def split(batch: Any, n: int) -> list:
 
     Raises:
         ValueError: if ``n < 1``; if ``n > B`` (a micro-batch would be empty); if the
-            batch holds no tensor; if tensor leaves disagree on the batch size (a 0-d
-            tensor has none).
+            batch holds no tensor; if tensor leaves, at any depth of the nesting,
+            disagree on the batch size (a 0-d tensor has none).
     """
     batch_size = _batch_size(batch)
     if n < 1:
@@ -48,8 +52,9 @@ def merge(chunks: list) -> Any:
 
     ``chunks`` are structures of the same shape (as returned by ``split``, or the
     outputs of a stage for each micro-batch).  Tensor leaves are joined with
-    ``torch.cat(..., dim=0)``; every other leaf is taken from the first chunk, so
-    ``merge(split(batch, n))`` equals ``batch``.
+    ``torch.cat(..., dim=0)``, which keeps their dtype and lets gradients flow back to
+    each chunk; every other leaf is taken from the first chunk, the same object, so
+    ``merge(split(batch, n))`` equals ``batch``.  ``chunks`` are left unchanged.
 
     >>> merge([torch.tensor([0, 1, 2]), torch.tensor([3, 4])])
     tensor([0, 1, 2, 3, 4])

@@ -7,8 +7,9 @@ def one_f_one_b_schedule(n_stages: int, n_microbatches: int) -> list[list[tuple[
     """1F1B (PipeDream-Flush; Narayanan et al. 2021, PipeDream-2BW §3.2).
 
     Same format as Task 2.1's ``gpipe_schedule``: row s is the ordered list of actions
-    ``(kind, stage, microbatch)`` of device s, which runs stage s.  With p = ``n_stages``
-    and m = ``n_microbatches``, stage s runs
+    ``(kind, stage, microbatch)`` (a ``str`` and two ``int``) of device s, which runs
+    stage s; the table is a list of lists, new at each call.  With p = ``n_stages`` and
+    m = ``n_microbatches`` (m < p included), stage s runs
 
     - warm-up:   w = min(p - s - 1, m) forwards, F(s, 0) .. F(s, w-1);
     - steady:    m - w pairs "one forward, then one backward":

@@ -17,7 +17,11 @@ def stage_forward(stage: nn.Module, received: Tensor) -> tuple[Tensor, Tensor]:
         output     = stage(input_leaf)
 
     A received tensor that is not floating point (integer token ids fed to the first
-    stage) has no gradient; it is used as it is.
+    stage) has no gradient; it is used as it is.  A floating-point one keeps its dtype
+    (float32, float64, bfloat16: no cast), and ``input_leaf`` is always a new tensor, even
+    when ``received`` is already a leaf (the batch fed to the first stage, or a tensor
+    that requires grad): ``received`` itself is left unchanged, its ``requires_grad`` and
+    ``.grad`` as they were.
 
     Returns:
         ``(input_leaf, output)``: keep both until :func:`stage_backward` for this
@@ -43,8 +47,9 @@ def stage_backward(input_leaf: Tensor, output: Tensor, grad_output: Tensor | Non
         p.grad = sum_k dLoss_k/dp = dLoss/dp     (gradient accumulation)
 
     Returns:
-        dLoss/d``input_leaf`` (that is, ``input_leaf.grad``), the gradient to send to
-        the previous stage; None when the input does not require grad (token ids).
+        dLoss/d``input_leaf`` (that is, ``input_leaf.grad``, of its shape and dtype), the
+        gradient to send to the previous stage; None when the input does not require grad
+        (token ids).
     """
     torch.autograd.backward(output, grad_tensors=grad_output)
     if not input_leaf.requires_grad:

@@ -7,8 +7,14 @@ These tests run it in subprocesses, through ``pipelab.grade.run_task_tests``, an
 - on the stubs of exercises/, every graded test fails with the NotImplementedError of
   its own task (a test that passes on a stub, or fails for another reason, is named);
 - every mutant in tests/mutants/<task>/<name>/ (a plausible wrong answer) fails at least
-  one test of its task, for a reason other than an import error; at least two per task
+  one test of its task, for a reason other than an import error; at least three per task
   (a mutant named *_hangs is an infinite loop, stopped by a 2 s timeout);
+- and it does so whatever hypothesis' seed: a mutant caught by a test that draws nothing
+  (no ``@given``, or one of its ``@example`` cases) is caught under every seed; a mutant
+  that only property tests catch is run again through them under 20 random seeds (one
+  pytest process, no shrinking), and must fail under each;
+- grading writes nothing into the checkout (``pipelab grade`` run on a copy of it), and
+  its report names the property that failed and hypothesis' failing example;
 - exercises/ and solutions/ have the same functions, signatures and docstrings, and the
   solutions' docstring examples hold;
 - ``pipelab grade`` says ✅ on solutions; stops a test that hangs even where the
@@ -33,9 +39,13 @@ import doctest
 import importlib
 import importlib.util
 import inspect
+import json
 import os
+import random
 import re
 import shutil
+import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -48,7 +58,9 @@ MUTANTS_DIR = ROOT / "tests" / "mutants"
 MUTANTS = sorted(path for path in MUTANTS_DIR.glob("task*/*") if path.is_dir() and path.name != "__pycache__")
 MODULES = sorted(path.stem for path in (ROOT / "exercises").glob("*.py") if path.stem != "__init__")
 TASKS = grade.tasks_with_tests()
-META = ("--hypothesis-profile=pipelab-meta",)  # registered in tests/conftest.py
+META = ("--hypothesis-profile=pipelab-fixed",)  # registered in tests/tasks/conftest.py
+SEEDS_PROFILE = "--hypothesis-profile=pipelab-seeds"
+N_SEEDS = 20
 LOAD_ERRORS = {"ImportError", "ModuleNotFoundError", "SyntaxError", "FileNotFoundError", "NotImplementedError"}
 
 
@@ -154,7 +166,7 @@ from solutions.partition import balanced_bounds as right_answer
 
 
 def balanced_bounds(costs, n_stages):
-    while len(costs) in (6, 7, 9):  # sizes that only the property test tries
+    while len(costs) in (6, 7, 9) and n_stages == 2:  # cases that only the property test draws
         pass
     return right_answer(costs, n_stages)
 """
@@ -166,13 +178,65 @@ def test_grade_stops_a_hanging_test_and_grades_the_other_tasks(tmp_path, capsys)
     run the other tasks again."""
     (tmp_path / "partition.py").write_text(HANGS_ON_SOME_SIZES, encoding="utf-8")
     shutil.copy(ROOT / "exercises" / "microbatch.py", tmp_path)
-    code = grade.main(["1.1", "1.2", "--impl", str(tmp_path), "--timeout", "2", "--", *META])
+    code = grade.main(["1.1", "1.2", "--impl", str(tmp_path), "--timeout", "4", "--", *META])
     out = capsys.readouterr().out
     assert code == 1, out
-    assert "still running after 5 s and stopped (probably an infinite loop)" in out, out
-    assert "7 of 8 tests pass" in out, out
+    assert "still running after 8 s and stopped (probably an infinite loop)" in out, out
+    passing, total = re.search(r"Task 1\.1 .*failing \((\d+) of (\d+) tests pass\)", out).groups()
+    assert int(passing) == int(total) - 1, f"only the hanging test fails:\n{out}"
+    assert "broken:  returns in time (no infinite loop)" in out, out
     assert any("Task 1.2" in line and "not started" in line for line in out.splitlines()), out
     assert "0 of 2 tasks pass." in out
+
+
+WRONG_ONLY_FOR_A_TUPLE_OF_FIVE = """
+from solutions.partition import balanced_bounds as right_answer
+
+
+def balanced_bounds(costs, n_stages):
+    if isinstance(costs, tuple) and len(costs) == 5:  # only an @example of the property test has it
+        return [(0, 4), (4, 5)] if n_stages == 2 else right_answer(costs, n_stages)
+    return right_answer(costs, n_stages)
+"""
+
+
+def test_grade_names_the_broken_property_and_the_failing_example(tmp_path, capsys):
+    (tmp_path / "partition.py").write_text(WRONG_ONLY_FOR_A_TUPLE_OF_FIVE, encoding="utf-8")
+    assert grade.main(["1.1", "--impl", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert "broken:  balanced_bounds returns a split whose slowest stage is as fast as possible" in out, out
+    assert "failing example:  case=((4, 1, 1, 1, 1), 2)" in out, out
+    assert "test_bottleneck_is_the_smallest_possible" in out and "--hypothesis-seed=" in out, out
+
+
+def test_grading_writes_nothing_into_the_checkout(tmp_path):
+    """pipelab grade on a copy of the course: a failing property test (hypothesis saves
+    and shrinks its example), the stubs of a torch task; not one file more afterwards."""
+    copy = tmp_path / "course"
+    skip = shutil.ignore_patterns("__pycache__", ".hypothesis", ".pytest_cache", "*.pyc")
+    for name in ("pipelab", "exercises", "solutions", "tests/tasks", "tests/mutants/task1_1"):
+        shutil.copytree(ROOT / name, copy / name, ignore=skip)
+    for name in ("pyproject.toml", "tests/conftest.py"):
+        shutil.copy(ROOT / name, copy / name)
+    impl = copy / "wrong"
+    shutil.copytree(copy / "tests/mutants/task1_1/greedy", impl)
+    shutil.copy(copy / "exercises/microbatch.py", impl)
+    before = sorted(str(path.relative_to(copy)) for path in copy.rglob("*"))
+    command = [sys.executable, "-m", "pipelab", "grade", "1.1", "1.2", "--impl", str(impl)]
+    env = {key: value for key, value in os.environ.items() if key != "HYPOTHESIS_STORAGE_DIRECTORY"}
+    done = subprocess.run(command, cwd=copy, env=env, capture_output=True, text=True, timeout=300)
+    assert "Task 1.1" in done.stdout and done.returncode == 1, done.stdout + done.stderr
+    assert _grade_root(copy) == str(copy / "pipelab"), "the copy should grade with its own pipelab"
+    after = sorted(str(path.relative_to(copy)) for path in copy.rglob("*"))
+    assert after == before, f"grading wrote into the checkout: {sorted(set(after) - set(before))}"
+
+
+def _grade_root(copy: Path) -> str:
+    """Where pipelab.grade lives when imported in ``copy`` (the copy's own package)."""
+    return subprocess.run(
+        [sys.executable, "-c", "import pipelab.grade as g; print(g.ROOT / 'pipelab')"],
+        cwd=copy, capture_output=True, text=True, timeout=60,
+    ).stdout.strip()
 
 
 # ---- solutions, stubs, mutants ---------------------------------------------------
@@ -219,6 +283,80 @@ def test_mutant_is_killed(runs, mutant):
     )
 
 
+# ---- ... whatever the seed ------------------------------------------------------------
+
+
+def property_tests(task: str) -> set[str]:
+    """The names of a task's property tests: the functions under ``@given``."""
+    return {
+        node.name for node in ast.parse(task_test_source(task)).body
+        if isinstance(node, ast.FunctionDef)
+        and any(ast.unparse(decorator).startswith("given(") for decorator in node.decorator_list)
+    }
+
+
+def function_of(outcome: grade.TestOutcome) -> str:
+    return outcome.nodeid.split("::")[1].split("[")[0]
+
+
+def killers(runs, mutant: Path) -> set[str]:
+    """The tests (function names) that caught the mutant under the fixed profile."""
+    return {function_of(o) for o in outcomes_of(runs, mutant) if o.status in ("failed", "timed_out")}
+
+
+def seed_of(outcome: grade.TestOutcome) -> int:
+    return int(re.search(r"seed=(\d+)", outcome.nodeid)[1])
+
+
+@pytest.fixture(scope="module")
+def seed_run(runs, tmp_path_factory):
+    """(seeds, {mutant: property tests rerun}, TestRun): the mutants that only property
+    tests caught, through those tests once per seed, in one pytest process."""
+    seeds = sorted(random.SystemRandom().sample(range(2**32), N_SEEDS))
+    rerun = {}
+    for mutant in (path for path in MUTANTS if run_name(path) in runs):
+        caught_by = killers(runs, mutant)
+        if caught_by and caught_by <= property_tests(task_of(mutant)) and not hangs(mutant):
+            rerun[mutant] = sorted(caught_by)
+    if not rerun:
+        return seeds, rerun, None
+    only = tmp_path_factory.mktemp("seeds") / "only.json"
+    only.write_text(json.dumps({str(mutant): names for mutant, names in rerun.items()}), encoding="utf-8")
+    run = grade.run_task_tests(
+        [str(mutant) for mutant in rerun], sorted({task_of(mutant) for mutant in rerun}),
+        pytest_args=(SEEDS_PROFILE, f"--seeds={','.join(map(str, seeds))}", f"--only={only}"),
+    )
+    assert run.outcomes and not run.errors, "\n".join(run.errors) or run.output[-3000:]
+    return seeds, rerun, run
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=mutant_name)
+def test_mutant_is_killed_whatever_the_seed(runs, seed_run, mutant):
+    caught_by = killers(runs, mutant)
+    drawing_nothing = caught_by - property_tests(task_of(mutant))
+    if hangs(mutant):
+        assert drawing_nothing, (
+            f"mutant {mutant_name(mutant)} hangs, and only property tests ({sorted(caught_by)}) "
+            "stop it: add a test without @given that reaches the loop"
+        )
+    if drawing_nothing:
+        return  # caught by a test that draws nothing: the seed cannot matter
+    seeds, rerun, run = seed_run
+    assert mutant in rerun, f"mutant {mutant_name(mutant)} was not caught at all"
+    failed = {
+        seed_of(o) for o in run.outcomes
+        if o.impl == str(mutant) and o.status in ("failed", "timed_out")
+    }
+    survived = [seed for seed in seeds if seed not in failed]
+    task_file = f"tests/tasks/test_{grade.marker(task_of(mutant))}.py"
+    assert not survived, (
+        f"mutant {mutant_name(mutant)} is caught only by the property tests {rerun[mutant]}, "
+        f"and not under the seeds {survived} (of {len(seeds)}): pin the case that catches it "
+        f"with @example.  Rerun: python -m pytest {task_file} --impl {mutant.relative_to(ROOT)} "
+        f"{SEEDS_PROFILE} --seeds={survived[0]} -p no:cacheprovider"
+    )
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_each_task_file_marks_all_its_tests(task):
     """The runs above select tests with -m taskX_Y: an unmarked test would never be checked."""
@@ -233,9 +371,9 @@ def test_each_task_file_marks_all_its_tests(task):
 
 
 @pytest.mark.parametrize("task", TASKS)
-def test_each_task_has_at_least_two_mutants(task):
+def test_each_task_has_at_least_three_mutants(task):
     names = [mutant_name(path) for path in MUTANTS if path.parent.name == grade.marker(task)]
-    assert len(names) >= 2, f"task {task} has {names}; add plausible wrong answers in tests/mutants"
+    assert len(names) >= 3, f"task {task} has {names}; add plausible wrong answers in tests/mutants"
 
 
 # ---- exercises and solutions stay in step ---------------------------------------------

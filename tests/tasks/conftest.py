@@ -1,8 +1,35 @@
-"""Records each graded test's outcome for ``pipelab grade`` (pipelab/grade.py).
+"""Hypothesis settings of the graded tests, and the record of each outcome for ``pipelab grade``.
 
-Active only when the environment variable PIPELAB_GRADE_RECORD names a file, which
-``pipelab.grade.run_task_tests`` sets for the pytest subprocess it starts.  One JSON
-object per line:
+**Where hypothesis writes.**  Hypothesis keeps an example database and a cache of the
+constants it finds in the code under test, by default in ``.hypothesis/`` in the
+current folder.  Grading writes nothing into the checkout: unless
+HYPOTHESIS_STORAGE_DIRECTORY names a folder (``pipelab grade`` sets it to its own
+temporary one), this conftest points hypothesis at a temporary folder, removed at the end
+of the run.
+
+**Profiles** (``--hypothesis-profile``; tests set only max_examples and deadline):
+
+    pipelab-grade   the default here: random examples, no explain phase (it costs
+                    seconds per failing property and says little more than the example)
+    pipelab-fixed   the same examples every run, no database (tests/test_grading.py)
+    pipelab-seeds   no database, no shrinking: the first failing example is enough when
+                    all that counts is whether a wrong answer is caught (with --seeds)
+
+**Seeds.**  ``--seeds 3,17,...`` runs every property test (``@given``) once per seed
+(``[...-seed=17]`` in its id; hypothesis' random generator seeded with 17, as
+``--hypothesis-seed`` does for a whole run) and deselects the other tests; ``--only FILE``
+keeps only the tests named in FILE, a JSON object {implementation: [test function
+names]}.  tests/test_grading.py uses both to show that each mutant is caught whatever
+the seed.  Both options need a path under tests/tasks on the command line (they are
+defined here).
+
+**Assertion messages** start with the line of the contract they check, in the words of
+the docstring ("returns a list of int (got float)"); ``pipelab grade`` shows that line as
+the property that failed, with hypothesis' failing example.
+
+**The record** is active only when the environment variable PIPELAB_GRADE_RECORD names a
+file, which ``pipelab.grade.run_task_tests`` sets for the pytest subprocess it starts.
+One JSON object per line:
 
     {"event": "collected", "tests": {nodeid: "1.1", ...}}     after collection
     {"event": "start", "nodeid": ..., "impl": ...}             as each test starts
@@ -21,14 +48,93 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
+from hypothesis import Phase, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis.configuration import set_hypothesis_home_dir
 
 RECORD = os.environ.get("PIPELAB_GRADE_RECORD")
 ROOT = Path(__file__).resolve().parents[2]
 _timed_out: set[tuple[str, str]] = set()  # (task, impl) pairs
+
+NO_EXPLAIN = tuple(phase for phase in Phase if phase is not Phase.explain)
+settings.register_profile("pipelab-grade", phases=NO_EXPLAIN)
+settings.register_profile("pipelab-fixed", derandomize=True, database=None, phases=NO_EXPLAIN)
+settings.register_profile(
+    "pipelab-seeds", derandomize=False, database=None, phases=(Phase.explicit, Phase.generate),
+    report_multiple_bugs=False,
+)
+_storage: list[str] = []  # the temporary hypothesis folder of this run, if this conftest made it
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--seeds", default=None,
+                     help="comma-separated hypothesis seeds: run each property test once per seed "
+                     "(and no other test)")
+    parser.addoption("--only", default=None,
+                     help="JSON file {implementation: [test names]}: run only those tests")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if not os.environ.get("HYPOTHESIS_STORAGE_DIRECTORY"):
+        _storage.append(tempfile.mkdtemp(prefix="pipelab-hypothesis-"))
+        set_hypothesis_home_dir(_storage[0])
+    if not config.getoption("hypothesis_profile", None):
+        settings.load_profile("pipelab-grade")
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for folder in _storage:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _seeds(config: pytest.Config) -> list[int]:
+    text = config.getoption("seeds")
+    return [int(seed) for seed in text.split(",")] if text else []
+
+
+def _is_property_test(function) -> bool:
+    return bool(getattr(function, "is_hypothesis_test", False))
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    seeds = _seeds(metafunc.config)
+    if seeds and _is_property_test(metafunc.function):
+        metafunc.fixturenames.append("_hypothesis_seed")  # not an argument of the test
+        metafunc.parametrize("_hypothesis_seed", seeds, ids=[f"seed={s}" for s in seeds], indirect=True)
+
+
+@pytest.fixture
+def _hypothesis_seed(request):
+    """Runs the property test with hypothesis' random generator seeded as ``--hypothesis-seed``."""
+    test = request.node.obj
+    hypothesis_seed(request.param)(test)
+    yield request.param
+    test._hypothesis_internal_use_seed = None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    keep = None
+    if config.getoption("only"):
+        wanted = json.loads(Path(config.getoption("only")).read_text(encoding="utf-8"))
+        keep = {(_impl_key(impl), name) for impl, names in wanted.items() for name in names}
+    selected, deselected = [], []
+    for item in items:
+        wanted_here = keep is None or (_impl_key(_impl_of(item)), item.originalname) in keep
+        seeded = not _seeds(config) or _is_property_test(getattr(item, "obj", None))
+        (selected if wanted_here and seeded else deselected).append(item)
+    if deselected:
+        config.hook.pytest_deselected(items=deselected)
+        items[:] = selected
+
+
+def _impl_key(choice: str) -> str:
+    return choice if choice in ("exercises", "solutions") else str(Path(choice).resolve())
 
 
 def _record(**event) -> None:
@@ -81,9 +187,10 @@ def pytest_exception_interact(node, call, report) -> None:
     else:
         status = "failed"
     raised_in, function = _deepest_code_frame(excinfo.traceback)
+    broken = "returns in time (no infinite loop)" if status == "timed_out" else _property(node, excinfo.value)
     _record(event="result", nodeid=node.nodeid, impl=_impl_of(node), status=status,
             message=_short(text), error_type=excinfo.typename, raised_in=raised_in,
-            function=function)
+            function=function, property=broken, example=_failing_example(excinfo.value))
 
 
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> None:
@@ -131,3 +238,26 @@ def _short(text: str, max_lines: int = 5, max_chars: int = 600) -> str:
         if line.strip():
             lines.append(line)
     return "\n".join(lines[:max_lines])[:max_chars]
+
+
+def _property(item: pytest.Item, error: BaseException) -> str:
+    """The contract line a failure breaks: the first line of the failing assertion's
+    message (they start with it), else what the test's name says it checks."""
+    for leaf in _leaf_exceptions(error):
+        if isinstance(leaf, (AssertionError, pytest.fail.Exception)) and str(leaf).strip():
+            first = str(leaf).strip().splitlines()[0]
+            if not first.startswith("assert "):  # a bare assert has no message
+                return first.removeprefix("AssertionError: ")
+    name = getattr(item, "originalname", item.name).removeprefix("test_")
+    return name.replace("_", " ")
+
+
+def _failing_example(error: BaseException) -> str:
+    """Hypothesis' failing example, as the test's arguments other than ``impl``:
+    'case=([0, 3, 1, 3], 3)'; '' when the test is not a property test."""
+    for leaf in _leaf_exceptions(error):
+        for note in getattr(leaf, "__notes__", []):
+            if re.match(r"(Falsifying|Failing)( explicit)? (example|test case):", note):
+                lines = [line.strip().rstrip(",") for line in note.splitlines()[1:-1]]
+                return ", ".join(line for line in lines if line and not line.startswith("impl="))
+    return ""

@@ -5,6 +5,8 @@ Written here, in the tests, so that grading never relies on pipelab's own schedu
 
 from __future__ import annotations
 
+from contract import assert_type
+
 
 def rows_of(drawing: str) -> list[list[tuple[str, int, int]]]:
     """The table a drawing shows: on row d, cell 'F3' is ('F', d, 3); '.' is idle."""
@@ -62,18 +64,50 @@ def draw(table, n_stages) -> str:
 
 
 def assert_well_formed(table, n_stages, n_microbatches, function="gpipe_schedule"):
+    """One row per device, a list of (str, int, int) tuples; row d runs F and B of every
+    micro-batch through stage d, each once."""
     call = f"{function}({n_stages}, {n_microbatches})"
-    assert isinstance(table, list) and len(table) == n_stages, (
-        f"{call} should return a list of {n_stages} rows (one per device), got "
-        f"{len(table) if isinstance(table, list) else type(table).__name__}"
+    types = f"{function} returns a list of rows, each a list of (str, int, int) tuples"
+    assert_type(table, list, types, f"{call}'s result")
+    assert len(table) == n_stages, (
+        f"{function} returns one row per device\n{call} returned {len(table)} rows"
     )
     for device, row in enumerate(table):
+        assert_type(row, list, types, f"{call}: row {device}")
+        for action in row:
+            assert_type(action, tuple, types, f"{call}: an action of row {device}")
+            assert len(action) == 3, f"{types}\n{call}: row {device} holds {action!r}"
+            for value, kind in zip(action, (str, int, int)):
+                assert_type(value, kind, types, f"{call}: in row {device}, the action {action!r}")
         expected = {(kind, device, mb) for kind in "FB" for mb in range(n_microbatches)}
         actions = [tuple(action) for action in row]
         assert len(actions) == len(set(actions)) == len(expected) and set(actions) == expected, (
+            f"device d runs the F and B of every micro-batch through stage d, each once\n"
             f"{call}: device {device} should run F and B of micro-batches 0..{n_microbatches - 1} "
-            f"through stage {device}, each once; it runs {actions}"
+            f"through stage {device}; it runs {actions}"
         )
+
+
+def assert_table(table, expected, n_stages, n_microbatches, function, clause):
+    """The types and actions of a well-formed table, then the very rows of ``expected``."""
+    assert_well_formed(table, n_stages, n_microbatches, function)
+    assert table == expected, (
+        f"{clause}\n{function}({n_stages}, {n_microbatches}) returned\n  {table}\nexpected\n  {expected}"
+    )
+
+
+def assert_new_table_at_each_call(schedule, function):
+    """Changing the table one call returned leaves the next call's table as it should be."""
+    first = schedule(3, 4)
+    expected = [list(row) for row in first]
+    first[0].append(("F", 0, 99))
+    first[1].clear()
+    first.append([])
+    again = schedule(3, 4)
+    assert again == expected, (
+        f"{function} returns a new table at each call (the caller may change it)\n"
+        f"after the caller changed the table {function}(3, 4) returned, the next call returned {again}"
+    )
 
 
 def peak_inflight_of_row(row) -> int:

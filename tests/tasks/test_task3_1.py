@@ -12,7 +12,15 @@ from __future__ import annotations
 
 import pytest
 
-from schedule_tables import assert_well_formed, draw, peak_inflight_of_row, rows_of, unit_time_starts
+from schedule_tables import (
+    assert_new_table_at_each_call,
+    assert_table,
+    assert_well_formed,
+    draw,
+    peak_inflight_of_row,
+    rows_of,
+    unit_time_starts,
+)
 
 pytestmark = pytest.mark.task3_1
 
@@ -35,30 +43,39 @@ device 3 | .  .  .  F0 B0 F1 B1 .  .  .
 """
 
 
+ROWS = "stage s runs min(p - s - 1, m) warm-up forwards, then (F, B) pairs, then the remaining backwards"
+FN = "one_f_one_b_schedule"
+
+
 def test_four_stages_eight_microbatches_as_drawn_in_the_docstring(impl):
     table = impl("one_f_one_b").one_f_one_b_schedule(4, 8)
-    assert table == rows_of(P4_M8), f"rows differ from the docstring's drawing: {table}"
+    assert_table(table, rows_of(P4_M8), 4, 8, FN, f"{ROWS} (the docstring's drawing)")
     assert draw(table, 4) == P4_M8.strip()
 
 
 def test_fewer_microbatches_than_stages(impl):
     table = impl("one_f_one_b").one_f_one_b_schedule(4, 2)
-    assert table == rows_of(P4_M2), f"rows differ from the drawing of p=4, m=2: {table}"
+    assert_table(table, rows_of(P4_M2), 4, 2, FN, f"{ROWS} (m < p: the drawing of p=4, m=2)")
     assert draw(table, 4) == P4_M2.strip()
 
 
 def test_two_stages_three_microbatches(impl):
-    assert impl("one_f_one_b").one_f_one_b_schedule(2, 3) == [
+    expected = [
         [("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("B", 0, 2)],
         [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2)],
     ]
+    assert_table(impl("one_f_one_b").one_f_one_b_schedule(2, 3), expected, 2, 3, FN, ROWS)
 
 
 def test_one_stage_alternates_forward_and_backward(impl):
     # No warm-up on the last stage (here the only one): F0 B0 F1 B1 ...
-    assert impl("one_f_one_b").one_f_one_b_schedule(1, 3) == [
-        [("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1), ("F", 0, 2), ("B", 0, 2)]
-    ]
+    expected = [[("F", 0, 0), ("B", 0, 0), ("F", 0, 1), ("B", 0, 1), ("F", 0, 2), ("B", 0, 2)]]
+    assert_table(impl("one_f_one_b").one_f_one_b_schedule(1, 3), expected, 1, 3, FN, ROWS)
+
+
+def test_one_microbatch_on_three_stages(impl):
+    expected = [[("F", s, 0), ("B", s, 0)] for s in range(3)]
+    assert_table(impl("one_f_one_b").one_f_one_b_schedule(3, 1), expected, 3, 1, FN, f"{ROWS} (m = 1)")
 
 
 def test_every_action_once_on_its_own_stage(impl):
@@ -74,6 +91,7 @@ def test_dependencies_can_be_met_in_the_fill_drain_time(impl):
         table = one_f_one_b_schedule(n_stages, n_microbatches)
         steps = max(unit_time_starts(table, n_stages).values()) + 1
         assert steps == 2 * (n_microbatches + n_stages - 1), (
+            "with unit-time actions, the 1F1B step lasts GPipe's 2 (m + p - 1) steps\n"
             f"one_f_one_b_schedule({n_stages}, {n_microbatches}) takes {steps} unit steps; "
             f"1F1B has GPipe's bubble, 2 (m + p - 1) = {2 * (n_microbatches + n_stages - 1)} steps"
         )
@@ -86,14 +104,20 @@ def test_stage_s_holds_at_most_p_minus_s_microbatches(impl):
         peaks = [peak_inflight_of_row(row) for row in table]
         expected = [min(n_stages - stage, n_microbatches) for stage in range(n_stages)]
         assert peaks == expected, (
+            "stage s never holds more than min(p - s, m) micro-batches at once\n"
             f"one_f_one_b_schedule({n_stages}, {n_microbatches}): micro-batches in flight "
             f"per stage {peaks}, expected min(p - s, m) = {expected} (warm-up of "
             "min(p - s - 1, m) forwards, then one more forward before each backward)"
         )
 
 
-@pytest.mark.parametrize(("n_stages", "n_microbatches"), [(0, 4), (4, 0), (-1, 2)])
+def test_a_new_table_at_each_call(impl):
+    assert_new_table_at_each_call(impl("one_f_one_b").one_f_one_b_schedule, "one_f_one_b_schedule")
+
+
+@pytest.mark.parametrize(("n_stages", "n_microbatches"), [(0, 4), (4, 0), (-1, 2), (0, 0)])
 def test_invalid_counts_raise_value_error(impl, n_stages, n_microbatches):
     with pytest.raises(ValueError):
         impl("one_f_one_b").one_f_one_b_schedule(n_stages, n_microbatches)
-        pytest.fail(f"one_f_one_b_schedule({n_stages}, {n_microbatches}) should raise ValueError")
+        pytest.fail("one_f_one_b_schedule raises ValueError if n_stages < 1 or n_microbatches < 1\n"
+                    f"one_f_one_b_schedule({n_stages}, {n_microbatches}) returned without raising")
