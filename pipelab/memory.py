@@ -1,12 +1,18 @@
 """Activation memory over a step, from the events and the bytes each micro-batch holds; checkpointing plans.
 
-Both the local engine (bytes measured by autograd hooks) and the simulator (bytes from the
-cost model) describe memory the same way:
+The "counted" rule.  The engines (bytes counted by autograd's saved-tensor hooks) and the
+simulator (bytes from the cost model) build their "counted" curve the same way:
 
 - F(s, i) ends:   + held(s, i)       (what stage s keeps for micro-batch i until its backward)
 - B(s, i) starts: + transient(s, i)  (a checkpointed stage recomputing its forward)
 - the last backward action of (s, i) ends (B, or W when the backward is split):
                   - held(s, i) - transient(s, i)
+
+It is a rule, not a measurement: a prediction from `Costs.from_profile` (the same counts)
+equals the engine's counted curve by construction.  The engines' "observed" curve
+(`pipelab/runtime/memory_observer.py`) measures instead when each storage a stage keeps is
+really freed, and includes what the rule leaves out (inputs received before their F,
+outputs until sent, gradients until used).
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from .trace import Event, MemorySample
 Bytes = Callable[[int, int], float]  # (stage, microbatch) -> bytes
 
 
-def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int) -> list[MemorySample]:
+def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int,
+                       what: str = "counted") -> list[MemorySample]:
     """Memory samples (one per change, plus a zero at t=0 per device) following the rule above."""
     releases = "W" if any(e.kind == "W" for e in events) else "B"
     changes = []  # (time, 0 for a release so it sorts first at equal times, device, delta)
@@ -31,10 +38,10 @@ def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_dev
         if e.kind == releases:
             changes.append((e.end, 0, e.device, -held(stage, mb) - transient(stage, mb)))
     level = [0.0] * n_devices
-    samples = [MemorySample(d, 0.0, 0) for d in range(n_devices)]
+    samples = [MemorySample(d, 0.0, 0, what) for d in range(n_devices)]
     for time, _, device, delta in sorted(changes):
         level[device] += delta
-        samples.append(MemorySample(device, time, round(level[device])))
+        samples.append(MemorySample(device, time, round(level[device]), what))
     return samples
 
 

@@ -10,6 +10,21 @@ came from:
 - "replayed": every op really ran and was timed, but several stages shared one device
   (all of them on a CPU), so the measured durations are replayed on one virtual clock
   per stage: the timeline the step would have with one device per stage.
+
+Memory is kept as `MemorySample`s, one curve per device and per `what` (MEMORY_KINDS):
+
+- "counted": activation bytes by the rule of `pipelab.memory.activation_samples` — the
+  bytes autograd saved for a micro-batch (the engines) or the cost model's bytes (the
+  simulator), added when its F ends and released when its backward ends.  A prediction
+  from `Costs.from_profile` equals it by construction: a consistency check only;
+- "observed": an engine's measurement that does not go through that rule — the real
+  lifetime of every storage a stage keeps (saved for backward, its input, its output
+  until sent, a gradient until used), ended by PyTorch freeing it
+  (`pipelab/runtime/memory_observer.py`, which also says how each change is put on the
+  trace's time axis);
+- "allocated" / "allocated_peak" (CUDA): `torch.cuda.memory_allocated` at the end of each
+  action and `torch.cuda.max_memory_allocated` during it — everything the allocator holds
+  on the device (parameters, gradients and temporaries included).
 """
 
 from __future__ import annotations
@@ -45,11 +60,23 @@ class Event(NamedTuple):
         return self.end - self.start
 
 
+MEMORY_KINDS = ("counted", "observed", "allocated", "allocated_peak")
+LEGACY_MEMORY_KINDS = {"activations": "counted"}  # the name "counted" had before
+
+
 class MemorySample(NamedTuple):
     device: int
     time: float  # seconds
-    bytes: int  # activation bytes held on `device` from `time` on
-    what: str = "activations"  # or "allocated" (torch.cuda.memory_allocated)
+    bytes: int  # bytes held on `device` from `time` on
+    what: str = "counted"  # one of MEMORY_KINDS (see the module docstring)
+
+
+def memory_kind(what: str) -> str:
+    """`what` checked against MEMORY_KINDS ("activations", the old name of "counted", is accepted)."""
+    what = LEGACY_MEMORY_KINDS.get(what, what)
+    if what not in MEMORY_KINDS:
+        raise ValueError(f"memory samples are one of {list(MEMORY_KINDS)}, got {what!r}")
+    return what
 
 
 class Wait(NamedTuple):
@@ -89,10 +116,14 @@ class Trace:
     waits: list[Wait] = field(default_factory=list)
     messages: list[Message] = field(default_factory=list)
     n_processes: int = 1
+    observed_peak_parts: list[dict[str, int]] = field(default_factory=list)  # per device: bytes by reason
+    # (runtime.memory_observer.REASONS) at the device's observed peak; empty unless an engine's step
 
     def __post_init__(self) -> None:
         if self.source not in SOURCE_LABELS:
             raise ValueError(f"Trace.source must be one of {sorted(SOURCE_LABELS)}, got {self.source!r}")
+        if any(s.what not in MEMORY_KINDS for s in self.memory):
+            self.memory = [s._replace(what=memory_kind(s.what)) for s in self.memory]
 
     @property
     def source_label(self) -> str:
@@ -160,19 +191,49 @@ class Trace:
             peak[stage] = max(peak[stage], held[stage])
         return peak
 
-    def memory_curve(self, device: int, what: str = "activations") -> tuple[list[float], list[int]]:
-        """(times, bytes) of one device's memory samples, in time order."""
+    def memory_curve(self, device: int, what: str = "counted") -> tuple[list[float], list[int]]:
+        """(times, bytes) of one device's memory samples of kind `what`, in time order (ties: as recorded)."""
+        what = memory_kind(what)
         samples = sorted((s for s in self.memory if s.device == device and s.what == what), key=lambda s: s.time)
         return [s.time for s in samples], [s.bytes for s in samples]
 
     @property
-    def peak_memory(self) -> list[int]:
-        """Peak activation bytes held on each device during the step."""
+    def memory_kinds(self) -> list[str]:
+        """The kinds of memory samples this trace holds, in MEMORY_KINDS order."""
+        present = {s.what for s in self.memory}
+        return [what for what in MEMORY_KINDS if what in present]
+
+    def peak_memory_by(self, what: str) -> list[int]:
+        """Peak bytes on each device of the samples of kind `what` ("counted", "observed", "allocated", ...).
+
+        Asking for a kind the trace does not hold is an error (a simulated trace has only
+        "counted"; "observed" comes from an engine's step, "allocated" from CUDA), except
+        "counted", which is all zeros when there is no memory model.
+        """
+        what = memory_kind(what)
+        if what != "counted" and what not in self.memory_kinds:
+            raise ValueError(f"this {self.source} trace has no {what!r} memory samples (it has "
+                             f"{self.memory_kinds or 'none'}): 'observed' comes from an engine's step, "
+                             "'allocated' from one on CUDA")
         peak = [0] * self.n_devices
         for s in self.memory:
-            if s.what == "activations":
+            if s.what == what:
                 peak[s.device] = max(peak[s.device], s.bytes)
         return peak
+
+    @property
+    def peak_memory(self) -> list[int]:
+        """Peak activation bytes on each device by the counting rule: `peak_memory_by("counted")`.
+
+        For an engine's trace compare predictions with `peak_memory_observed` too: the
+        counted curve is built by the simulator's own rule.
+        """
+        return self.peak_memory_by("counted")
+
+    @property
+    def peak_memory_observed(self) -> list[int]:
+        """Peak bytes each device really kept for activations (an engine's trace): `peak_memory_by("observed")`."""
+        return self.peak_memory_by("observed")
 
     def durations(self) -> dict[Action, float]:
         """Seconds each action took: feed them back to the simulator to replay this step."""
@@ -181,8 +242,8 @@ class Trace:
     def to_chrome_trace(self, path: str | Path) -> Path:
         """Write the trace as Chrome trace-event JSON (open in Perfetto or chrome://tracing).
 
-        One track per device ("X" complete events, microseconds) plus a counter track of
-        activation bytes per device.
+        One track per device ("X" complete events, microseconds) plus a counter track per
+        device and memory kind ("counted", "observed", ...).
         """
         origin = min((e.start for e in self.events), default=0.0)
         records = []

@@ -12,7 +12,9 @@ Timing is the wall clock of each rank, put on rank 0's clock by the offset
 step the ranks exchange what they recorded (one `all_gather` of a small float64 table:
 each action's start and end, its wait for a message, when it sent its result, the bytes
 it kept, and the last stage's micro-batch losses), so **every rank returns the same
-complete Trace and the same loss**.
+complete Trace and the same loss**.  Each rank's observed memory changes
+(`runtime/memory_observer.py`: receive buffers from when they are posted, sends until
+they have gone) follow in a second, padded `all_gather`.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .local import StepResult, check_loss_fn, check_microbatch_count
 from .loop import StageWorker, producer, run_actions
+from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .p2p import PointToPointTransport
 
 HYBRID_ARGUMENTS = {"tensor_parallel", "data_parallel", "tensor_parallel_plan", "layout"}
@@ -189,19 +192,23 @@ class DistributedPipeline:
         input_chunks = microbatch.split(inputs, self.n_microbatches)
         target_chunks = microbatch.split(targets, self.n_microbatches)
         weights = [size / total for size in microbatch.sizes(total, self.n_microbatches)]
+        observer = MemoryObserver(self.schedule.device_of_stage(), self.parameters())
         for worker in self.workers.values():
-            worker.start_step(input_chunks, target_chunks, weights)
+            worker.start_step(input_chunks, target_chunks, weights, observer)
+        self.transport.observer = observer  # before start_step, which posts the first receives
         self.transport.start_step([_signature(chunk) for chunk in input_chunks])
         clock = ActionClock([self.device])
 
         step_begin = time.perf_counter()
         with gc_paused():  # a full collection (~25 ms with torch loaded) on one rank would stall the others
-            run_actions(self.schedule.actions[self.rank], self.workers, self.transport, clock)
+            run_actions(self.schedule.actions[self.rank], self.workers, self.transport, clock, observer)
             self.transport.finish()
+        observer.close()
         table = self._exchange(self._record(clock))
+        observed = self._gather_observed(self._place_observed(observer, clock))
         wall_seconds = time.perf_counter() - step_begin
 
-        trace, losses = self._trace(table)
+        trace, losses = self._trace(table, observed)
         loss = sum(w * l for w, l in zip(weights, losses))
         return StepResult(loss, trace, losses, wall_seconds, sum(trace.durations().values()))
 
@@ -223,6 +230,31 @@ class DistributedPipeline:
         rows += [[math.nan] * len(COLUMNS)] * (longest - len(rows))
         return torch.tensor(rows, dtype=torch.float64)
 
+    def _place_observed(self, observer: MemoryObserver, clock: ActionClock) -> list[tuple]:
+        """This rank's observed memory changes on rank 0's clock: its own clock shifted on a CPU, else
+        placed in the actions' CUDA-event intervals (rules in `runtime/memory_observer.py`)."""
+        if self.device.type != "cuda":
+            return observer.place({}, {}, shift=self.clock_offset)
+        intervals = clock.intervals()
+        start = {a: begin + self.clock_offset for a, (begin, _) in intervals.items()}
+        end = {a: finish + self.clock_offset for a, (_, finish) in intervals.items()}
+        return observer.place(start, end)
+
+    def _gather_observed(self, placed: list[tuple]) -> list[tuple[float, int, int, int]]:
+        """Every rank's observed changes (time, device, delta, reason), on every rank: the counts, then a padded table."""
+        count = torch.tensor([len(placed)], dtype=torch.int64, device=self.device)
+        counts = [torch.empty_like(count) for _ in range(self.world_size)]
+        dist.all_gather(counts, count, group=self.group)
+        counts = [int(c) for c in counts]
+        local = torch.full((max(max(counts), 1), 4), math.nan, dtype=torch.float64)
+        if placed:
+            local[:len(placed)] = torch.tensor(placed, dtype=torch.float64)
+        local = local.to(self.device)
+        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(gathered, local, group=self.group)
+        return [(t, int(d), int(delta), int(why)) for table, n in zip(gathered, counts)
+                for t, d, delta, why in table[:n].tolist()]
+
     def _exchange(self, table: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's table, on every rank (one all_gather)."""
         local = table.to(self.device)
@@ -230,7 +262,7 @@ class DistributedPipeline:
         dist.all_gather(gathered, local, group=self.group)
         return [t.cpu() for t in gathered]
 
-    def _trace(self, tables: list[torch.Tensor]) -> tuple[Trace, list[float]]:
+    def _trace(self, tables: list[torch.Tensor], observed: list[tuple] = ()) -> tuple[Trace, list[float]]:
         rows = self.schedule.actions
         values = {a: tables[d][k].tolist() for d, row in enumerate(rows) for k, a in enumerate(row)}
         device_of = {a: d for d, row in enumerate(rows) for a in row}
@@ -248,11 +280,15 @@ class DistributedPipeline:
         memory = activation_samples(
             events, lambda s, i: values[Action("F", s, i)][column["saved_bytes"]],
             lambda s, i: values[Action("B", s, i)][column["recomputed_bytes"]], self.schedule.n_devices)
+        # before the first action (receives posted at the start of the step): at the step's start
+        observed = [(max(t - origin, 0.0), *rest) for t, *rest in observed]
+        memory += observed_samples(observed, self.schedule.n_devices)
         last = self.n_stages - 1
         losses = [values[Action("F", last, i)][column["loss"]] for i in range(self.n_microbatches)]
         names = [f"rank {d} ({self.device.type})" for d in range(self.world_size)]
         trace = Trace(events, memory, "measured", self.n_stages, self.n_microbatches, self.schedule.n_devices,
-                      self.schedule.name, names, waits, messages, n_processes=self.world_size)
+                      self.schedule.name, names, waits, messages, n_processes=self.world_size,
+                      observed_peak_parts=observed_breakdown(observed, self.schedule.n_devices))
         return trace, losses
 
 

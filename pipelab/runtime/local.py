@@ -14,6 +14,10 @@ events give each action's wall-clock start and end ("measured").  When stages sh
 device (all on a CPU, or more stages than GPUs) the actions run one after another, each
 timed, and the measured durations are replayed on one virtual clock per stage
 ("replayed"), the step as it would run with one device per stage.
+
+Memory: the trace holds the "counted" curve (the saved-bytes rule of `pipelab.memory`) and
+the "observed" one (`runtime/memory_observer.py`: when each kept storage was really freed,
+put on the trace's clock), plus on CUDA the allocator's "allocated" and "allocated_peak".
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from ..threads import check_threads, intra_op_threads
 from .clock import ActionClock
 from .devices import assign_devices
 from .loop import InProcessTransport, StageWorker, to_device, run_actions
+from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 
 
 @dataclass
@@ -138,15 +143,19 @@ class Pipeline:
         if not self._warm:
             self._warm_up(input_chunks[0], target_chunks[0])
         weights = [size / total for size in microbatch.sizes(total, self.n_microbatches)]
+        device_of_stage = self.schedule.device_of_stage()
+        observer = MemoryObserver(device_of_stage, [p for params in self.parameters for p in params])
         for worker in self.workers.values():
-            worker.start_step(input_chunks, target_chunks, weights)
+            worker.start_step(input_chunks, target_chunks, weights, observer)
         clock = ActionClock(self.devices)
 
         step_begin = time.perf_counter()
-        run_actions(self.order, self.workers, InProcessTransport(self.devices), clock)
+        run_actions(self.order, self.workers, InProcessTransport(self.devices, device_of_stage, observer), clock,
+                    observer)
         wall_seconds = time.perf_counter() - step_begin
+        observer.close()
 
-        trace = self._trace(clock)
+        trace = self._trace(clock, observer)
         last = self.workers[self.n_stages - 1]
         losses = [float(last.losses[i]) for i in range(self.n_microbatches)]
         loss = sum(w * l for w, l in zip(weights, losses))
@@ -177,7 +186,7 @@ class Pipeline:
             x = out.detach()
         self._warm = True
 
-    def _trace(self, clock: ActionClock) -> Trace:
+    def _trace(self, clock: ActionClock, observer: MemoryObserver) -> Trace:
         intervals = clock.intervals()
         if self.wall_clock:
             origin = min(start for start, _ in intervals.values())
@@ -192,8 +201,14 @@ class Pipeline:
         workers = self.workers
         memory = activation_samples(events, lambda s, i: workers[s].saved_bytes[i],
                                     lambda s, i: workers[s].recomputed_bytes.get(i, 0), self.schedule.n_devices)
+        placed = observer.place(start, end)
+        memory += observed_samples(placed, self.schedule.n_devices)
         for event in events:
             if event.action in clock.allocated:
                 memory.append(MemorySample(event.device, event.end, clock.allocated[event.action], "allocated"))
+            if event.action in observer.allocated_peak:
+                memory.append(MemorySample(event.device, event.start, observer.allocated_peak[event.action],
+                                           "allocated_peak"))
         return Trace(events, memory, source, self.n_stages, self.n_microbatches, self.schedule.n_devices,
-                     self.schedule.name, [str(d) for d in self.devices])
+                     self.schedule.name, [str(d) for d in self.devices],
+                     observed_peak_parts=observed_breakdown(placed, self.schedule.n_devices))

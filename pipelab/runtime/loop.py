@@ -5,6 +5,11 @@ For each action in a device's list, in order:
     message = transport.receive(action)    # F: the activation from stage s-1; B: the gradient from s+1
     clock.begin(action); out = worker.compute(action, message); clock.end(action)
     transport.send(action, out)            # F: to stage s+1; B: to stage s-1 (nothing at the ends)
+    # then the loop lets go of both, so neither outlives its use
+
+A `MemoryObserver` (`runtime/memory_observer.py`) is told of every storage a stage keeps
+(what autograd saves, the stage's input, its output until sent, the gradients) and of the
+host window of every action: the "observed" memory curve of both engines comes from it.
 
 The local engine (`runtime/local.py`) and the distributed engine (`runtime/distributed.py`)
 both call `run_actions`; they differ only in the transport: an in-process copy
@@ -15,6 +20,7 @@ checkpointing, loss weighting n_i / N, saved-bytes counting), the same in both e
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable, Iterable
 
 import torch
@@ -23,6 +29,7 @@ from torch import nn
 from ..actions import Action
 from ..errors import PipelineError
 from . import stage as stage_ops
+from .memory_observer import MemoryObserver
 
 
 def producer(action: Action, n_stages: int) -> Action | None:
@@ -57,10 +64,14 @@ class StageWorker:
         self.loss_fn, self.checkpoint, self.device, self.rank = loss_fn, checkpoint, device, rank
         self.parameters = list(module.parameters())
         self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.free_outputs = True  # keep only the output's GradientEdge after F (stage.release_output)
+        self.observer: MemoryObserver | None = None
 
-    def start_step(self, input_chunks: list, target_chunks: list, weights: list[float]) -> None:
+    def start_step(self, input_chunks: list, target_chunks: list, weights: list[float],
+                   observer: MemoryObserver | None = None) -> None:
         """Take this step's micro-batches (used by the first stage) and targets (by the last)."""
         self.inputs, self.targets, self.weights = input_chunks, target_chunks, weights
+        self.observer = observer
         self.kept: dict[int, stage_ops.InFlight] = {}
         self.saved_bytes: dict[int, int] = {}  # mb -> bytes held from F to B
         self.recomputed_bytes: dict[int, int] = {}  # mb -> bytes held during B only (checkpointed)
@@ -77,25 +88,39 @@ class StageWorker:
             raise PipelineError(self.explain(action, arrived, error)) from error
 
     def _compute(self, action: Action, message: Any) -> torch.Tensor | None:
-        i = action.microbatch
+        i, observer = action.microbatch, self.observer
+        keep = None if observer is None else partial(observer.keep, self.index)
         if action.kind == "F":
             arrived = to_device(self.inputs[i], self.device) if self.is_first else message
+            if keep is not None:
+                keep(arrived, "input")
             flight = stage_ops.forward(
                 self.module, arrived, self.parameters, is_first=self.is_first,
                 loss_fn=self.loss_fn if self.is_last else None,
                 target=to_device(self.targets[i], self.device) if self.is_last else None,
-                weight=self.weights[i], checkpoint=self.checkpoint,
+                weight=self.weights[i], checkpoint=self.checkpoint, keep=keep,
             )
             self.kept[i], self.saved_bytes[i] = flight, flight.saved_bytes
+            sent = flight.sent
+            if keep is not None:
+                keep(flight.output if flight.output is not None else sent, "output")
+            if self.free_outputs:
+                stage_ops.release_output(flight)
             if self.is_last:
                 self.losses[i] = flight.loss.detach()
                 return None
-            return flight.sent
+            return sent
         if action.kind == "B":
             flight = self.kept.pop(i)
+            if keep is not None:
+                keep(message, "received")
             gradient = stage_ops.backward(flight, message)
             self.recomputed_bytes[i] = flight.recomputed_bytes
-            return None if self.is_first else gradient
+            if self.is_first:
+                return None
+            if keep is not None:
+                keep(gradient, "gradient")
+            return gradient
         raise PipelineError(f"{action.describe()}: this engine runs F and B actions, not {action.kind!r}")
 
     def explain(self, action: Action, arrived: Any, error: Exception) -> str:
@@ -134,10 +159,20 @@ def _shape_hint(module: nn.Module, first_block: int, arrived: Any, from_stage: i
 
 
 class InProcessTransport:
-    """Messages between stages of one process: a copy to the receiving stage's device."""
+    """Messages between stages of one process: a copy for the receiving stage, as a real send makes.
 
-    def __init__(self, devices: list[torch.device]):
+    `devices[s]` is stage s's torch device, `device_of_stage[s]` its device in the schedule.
+    Between two schedule devices the message is always a copy (`.to` another torch device,
+    else `.clone()`), so no storage is shared by two devices' stages (each one's memory is
+    its own, and observed as such); between stages of one schedule device it is passed on.
+    With an `observer`, the copy counts on the receiver from the moment it is sent.
+    """
+
+    def __init__(self, devices: list[torch.device], device_of_stage: dict[int, int] | None = None,
+                 observer: MemoryObserver | None = None):
         self.devices, self.n_stages = devices, len(devices)
+        self.device_of_stage = device_of_stage or {s: s for s in range(self.n_stages)}
+        self.observer = observer
         self.box: dict[Action, Any] = {}  # producing action -> its result, on the consumer's device
 
     def receive(self, action: Action) -> Any:
@@ -146,20 +181,34 @@ class InProcessTransport:
 
     def send(self, action: Action, tensor: torch.Tensor | None) -> None:
         target = consumer_stage(action, self.n_stages)
-        if target is not None:
-            device = self.devices[target]  # (.to on the same device costs microseconds for nothing)
-            self.box[action] = tensor if tensor.device == device else tensor.to(device)
+        if target is None:
+            return
+        device = self.devices[target]
+        if tensor.device != device:
+            tensor = tensor.to(device)
+        elif self.device_of_stage[target] != self.device_of_stage[action.stage]:
+            tensor = tensor.clone()
+        self.box[action] = tensor
+        if self.observer is not None:
+            self.observer.keep(target, tensor, "received")
 
 
-def run_actions(actions: Iterable[Action], workers: dict[int, StageWorker], transport, clock) -> None:
-    """Run `actions` in order: receive, compute (timed by `clock`), send."""
+def run_actions(actions: Iterable[Action], workers: dict[int, StageWorker], transport, clock,
+                observer: MemoryObserver | None = None) -> None:
+    """Run `actions` in order: receive, compute (timed by `clock`; its host window noted by `observer`), send."""
     for action in actions:
         worker = workers[action.stage]
         message = transport.receive(action)
+        if observer is not None:
+            observer.begin(action, worker.device)
         clock.begin(action, worker.device)
         out = worker.compute(action, message)
+        message = None  # a received gradient is used up: free it inside its action
         clock.end(action, worker.device)
+        if observer is not None:
+            observer.end(action, worker.device)
         transport.send(action, out)
+        out = None
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

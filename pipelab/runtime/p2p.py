@@ -84,6 +84,7 @@ class PointToPointTransport:
                     self.channels[sender].append(_Incoming(action, consumer))
         self.known_shapes: dict[tuple, tuple] = {}  # (boundary stage, input signature) -> (shape, dtype)
         self.headers_sent: set[tuple] = set()
+        self.observer = None  # a MemoryObserver, told of each receive buffer when it is posted
 
     def start_step(self, signatures: list[tuple]) -> None:
         """Reset for a step; `signatures[i]` describes micro-batch i's input (shapes and dtypes)."""
@@ -132,6 +133,8 @@ class PointToPointTransport:
                               tag=_tag(message.source, self.n_microbatches))
             message.payload = (buffer, work)
             self.next_to_post[sender] += 1
+            if self.observer is not None:
+                self.observer.keep(message.consumer.stage, buffer, "received")
 
     def _shape_of(self, message: _Incoming, block: bool) -> tuple | None:
         source = message.source

@@ -6,9 +6,18 @@ the gradient to send back in `input.grad`.  Backward accumulates into the parame
 `.grad` (like any `loss.backward()`), which is how the gradients of the micro-batches
 add up to the gradient of the whole batch.
 
-Activation memory is measured as autograd keeps it: every tensor saved for backward
+Activation memory is counted as autograd keeps it: every tensor saved for backward
 during the forward passes through `torch.autograd.graph.saved_tensors_hooks`; the bytes
-of their storages are summed once per storage, leaving out the stage's own parameters.
+of their storages are summed once per storage, leaving out the stage's own parameters
+(`saved_bytes`, the "counted" figure).  The hook also hands each saved tensor to `keep`
+(the engine's `MemoryObserver`, which measures when the storage is really freed).
+
+Between F and B a stage needs its output only as a place in the graph to start the
+backward from, not its values (whatever backward needs of them autograd saved).  After the
+output is sent, `release_output` keeps its `GradientEdge` and drops the tensor, so its
+storage is freed (Megatron-LM's `deallocate_output_tensor` does this by shrinking
+`output.data`; a `GradientEdge` does it with public API and no aliasing risk).  The
+backward then starts from the edge: the same graph, the same gradients.
 
 Activation checkpointing (Chen et al. 2016, "Training deep nets with sublinear memory
 cost"): the forward runs without building a graph and keeps only the stage's input; the
@@ -37,15 +46,17 @@ class InFlight:
     recompute: Callable[[], tuple[torch.Tensor, int]] | None = None  # checkpointed: redo the forward
     recomputed_bytes: int = 0  # bytes the recomputation saved during the backward
     sent: torch.Tensor | None = None  # the activation for the next stage (no graph attached)
+    edge: Any = None  # the output's GradientEdge once `release_output` dropped the output
 
 
 class SavedBytesCounter:
     """Counts the bytes autograd saves for backward, once per storage, parameters excluded."""
 
-    def __init__(self, parameters: list[torch.Tensor]):
+    def __init__(self, parameters: list[torch.Tensor], keep: Callable[[torch.Tensor], None] | None = None):
         self.excluded = {_storage_key(p) for p in parameters}
         self.seen: set = set()
         self.bytes = 0
+        self.keep = keep  # told of every storage counted
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         for plain in _plain_tensors(tensor):
@@ -53,6 +64,8 @@ class SavedBytesCounter:
             if key not in self.excluded and key not in self.seen:
                 self.seen.add(key)
                 self.bytes += plain.untyped_storage().nbytes()
+                if self.keep is not None:
+                    self.keep(plain)
         return tensor
 
     def hooks(self):
@@ -75,15 +88,20 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 
 def forward(stage: nn.Module, received: Any, parameters: list[torch.Tensor], is_first: bool,
             loss_fn: Callable | None = None, target: Any = None, weight: float = 1.0,
-            checkpoint: bool = False) -> InFlight:
-    """Run `stage` on `received`; on the last stage (loss_fn given) also the loss, times `weight`."""
+            checkpoint: bool = False, keep: Callable[[torch.Tensor], None] | None = None) -> InFlight:
+    """Run `stage` on `received`; on the last stage (loss_fn given) also the loss, times `weight`.
+
+    `keep(tensor)` is called on each tensor autograd saves (parameters left out), in the
+    forward and in a checkpointed stage's recomputation; `keep(output, "output")` on the
+    recomputed output.
+    """
     if is_first or not isinstance(received, torch.Tensor) or not received.is_floating_point():
         inp = received
     else:
         inp = received.detach().requires_grad_(True)
 
     def run(exclude: set = frozenset()) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        counter = SavedBytesCounter(parameters)
+        counter = SavedBytesCounter(parameters, keep)
         counter.excluded |= exclude
         with counter.hooks():
             output = stage(inp)
@@ -110,6 +128,8 @@ def forward(stage: nn.Module, received: Any, parameters: list[torch.Tensor], is_
         with torch.random.fork_rng(devices=rng[1]):
             _set_rng_state(rng)
             again, _, saved_again = run(exclude=kept)
+        if keep is not None:
+            keep(again, "output")
         return again, saved_again
 
     return InFlight(inp, None, kept_bytes, loss, recompute, sent=None if loss_fn else output)
@@ -133,11 +153,25 @@ def check_activation(output: Any) -> None:
         raise TypeError(f"a stage returned {type(output).__name__}; pipelab passes one tensor between stages")
 
 
+def release_output(kept: InFlight) -> None:
+    """Drop the output (and the activation sent on), keeping only the output's GradientEdge.
+
+    Exact: the backward from the edge runs the same graph with the same incoming gradient.
+    An output that does not require grad is left in place (its backward fails as before).
+    """
+    if kept.output is not None and kept.output.requires_grad:
+        kept.edge = torch.autograd.graph.get_gradient_edge(kept.output)
+        kept.output = None
+    kept.sent = None
+
+
 def backward(kept: InFlight, grad_output: torch.Tensor | None) -> torch.Tensor | None:
     """Backpropagate through the stage (accumulating parameter grads); return the input's gradient."""
     if kept.recompute is not None:
         kept.output, kept.recomputed_bytes = kept.recompute()
-    if grad_output is None:
+    if kept.output is None and kept.edge is not None:
+        torch.autograd.backward(kept.edge, grad_output)
+    elif grad_output is None:
         kept.output.backward()
     else:
         kept.output.backward(grad_output)

@@ -1,0 +1,178 @@
+"""Observed activation memory: when each storage a stage keeps is really allocated and freed.
+
+The "counted" curve (`pipelab.memory.activation_samples`) applies a rule: a micro-batch's
+saved bytes appear when its F ends and go when its B ends.  This module measures instead,
+without that rule.  A stage *keeps* a storage when
+
+- autograd saves a tensor on it for backward (`saved_tensors_hooks`; parameters left out),
+- it is the stage's input (the micro-batch, or an activation received), its output until
+  sent, a gradient received until used, or a gradient computed until sent,
+- a transport holds it for the stage (a message waiting in the in-process box, a receive
+  buffer posted ahead of need, a send not yet completed).
+
+Each storage is kept for a reason (REASONS: "saved", "input", "output", "gradient",
+"received"); when a storage already kept is kept again for a stronger reason (earlier in
+REASONS: a received activation that autograd then saves), its bytes move to that reason.
+
+`MemoryObserver.keep` notes the storage's bytes and the host time (`time.perf_counter`),
+and puts a weak reference with a callback on the storage's Python object (PyTorch keeps one
+object per storage for as long as the storage lives): the callback runs when PyTorch frees
+the storage, whoever held it last.  Nothing here decides when bytes are released.  A
+storage counts once per device, however many tensors, stages or holders share it.  Not
+included: temporaries inside an op, parameters, their `.grad`, the losses kept for the
+report (on CUDA the allocator's own figures, "allocated" and "allocated_peak", have them).
+
+**Time axis.**  Changes happen at host times; a trace's times are on another axis (a
+replay, or CUDA events).  `MemoryObserver.place` maps each change, with the host window
+[h0, h1] of every action this process ran (`begin` / `end` around its compute):
+
+- inside a window (h0 <= t <= h1): t' = start'(A) + min(t - h0, end'(A) - start'(A)),
+  with start'(A), end'(A) the action's start and end in the trace.  On the CPU an
+  action's replayed duration is its measured one, so a change keeps its exact offset
+  into the action; on CUDA (host ahead of the GPU) it is clamped into the action;
+- outside every window (a transport's send or receive, references dropped after an
+  action): at end'(P), P the last action that ended before t; before the first action,
+  at start' of the first.  A message sent by P is thus on its receiver's curve from the
+  moment P ended, as it would arrive on a free link;
+- `shift=c` instead, when the trace's times are this host's clock plus c (the
+  distributed engine on CPUs): t' = t + c, exact.
+
+Ties in t' keep the order in which the changes happened.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from ..actions import Action
+from ..trace import MemorySample
+
+REASONS = ("saved", "input", "output", "gradient", "received")
+"""Why a stage keeps a storage, strongest first: saved by autograd for backward; the stage's input
+(the micro-batch, an activation received); its output until sent; a gradient it computed until
+sent; a message (activation or gradient) arrived or its receive buffer posted, not yet used."""
+
+
+class MemoryObserver:
+    """Lifetimes of the storages the stages of one process keep during one step."""
+
+    def __init__(self, device_of_stage: dict[int, int], excluded: list[torch.Tensor] = ()):
+        self.device_of_stage = device_of_stage
+        self.excluded = {_key(t) for t in excluded}  # parameters: not activations
+        self.changes: list[tuple[float, int, int, int]] = []  # (host seconds, device, +/-bytes, reason index)
+        self.live: dict[tuple, list] = {}  # (device, torch device, data_ptr) -> [weakref, reason index, bytes]
+        self.windows: list[tuple[float, float, Action]] = []  # (h0, h1, action), in the order run
+        self.allocated_peak: dict[Action, int] = {}  # CUDA: torch.cuda.max_memory_allocated during the action
+        self._began: float = 0.0
+
+    # -- recording ---------------------------------------------------------------------
+    def keep(self, stage: int, tensor: Any, why: str = "saved") -> None:
+        """Count `tensor`'s storage on `stage`'s device, for reason `why`, from now until PyTorch frees it.
+
+        Once per device: a storage kept again only moves to a stronger reason.
+        """
+        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+            return
+        if is_traceable_wrapper_subclass(tensor):  # a DTensor: its memory is the tensors it wraps
+            names, _ = tensor.__tensor_flatten__()
+            for name in names:
+                self.keep(stage, getattr(tensor, name), why)
+            return
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        key = _key(tensor)
+        if nbytes == 0 or key in self.excluded:
+            return
+        device, reason = self.device_of_stage[stage], REASONS.index(why)
+        held = (device, *key)
+        changes, live = self.changes, self.live
+        if held in live:
+            entry = live[held]
+            if reason < entry[1]:  # the same bytes, now for a stronger reason
+                now = time.perf_counter()
+                changes += [(now, device, -nbytes, entry[1]), (now, device, nbytes, reason)]
+                entry[1] = reason
+            return
+
+        def freed(_ref, held=held, device=device, nbytes=nbytes) -> None:
+            entry = live.pop(held, None)
+            if entry is not None:
+                changes.append((time.perf_counter(), device, -nbytes, entry[1]))
+
+        changes.append((time.perf_counter(), device, nbytes, reason))
+        live[held] = [weakref.ref(storage, freed), reason, nbytes]
+
+    def begin(self, action: Action, device: torch.device) -> None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        self._began = time.perf_counter()
+
+    def end(self, action: Action, device: torch.device) -> None:
+        self.windows.append((self._began, time.perf_counter(), action))
+        if device.type == "cuda":
+            self.allocated_peak[action] = torch.cuda.max_memory_allocated(device)
+
+    def close(self) -> None:
+        """Stop observing: storages still alive are left alone (their callbacks will not fire)."""
+        self.live.clear()
+
+    @property
+    def still_kept(self) -> int:
+        """Bytes still alive of what was kept (0 after a step that freed everything)."""
+        return sum(change[2] for change in self.changes)
+
+    # -- the trace's time axis -----------------------------------------------------------
+    def place(self, start: dict[Action, float], end: dict[Action, float],
+              shift: float | None = None) -> list[tuple[float, int, int, int]]:
+        """The changes as (trace time, device, delta, reason index), by the rules of the module docstring."""
+        if shift is not None:
+            return [(t + shift, *rest) for t, *rest in self.changes]
+        if not self.windows:
+            return []
+        opens = [h0 for h0, _, _ in self.windows]
+        placed = []
+        for t, *rest in self.changes:
+            k = bisect.bisect_right(opens, t) - 1  # the last action that began at or before t
+            if k < 0:
+                where = start[self.windows[0][2]]
+            else:
+                h0, h1, action = self.windows[k]
+                if t <= h1:
+                    where = start[action] + min(t - h0, end[action] - start[action])
+                else:
+                    where = end[action]
+            placed.append((where, *rest))
+        return placed
+
+
+def observed_samples(placed: list[tuple], n_devices: int) -> list[MemorySample]:
+    """"observed" samples: a zero at t=0 per device, then the level after each change (ties: in order)."""
+    level = [0] * n_devices
+    samples = [MemorySample(d, 0.0, 0, "observed") for d in range(n_devices)]
+    for time_, device, delta, *_ in sorted(placed, key=lambda change: change[0]):
+        level[device] += delta
+        samples.append(MemorySample(device, time_, level[device], "observed"))
+    return samples
+
+
+def observed_breakdown(placed: list[tuple], n_devices: int) -> list[dict[str, int]]:
+    """Per device, the bytes of each reason (REASONS) at the device's observed peak (its first moment)."""
+    level = [0] * n_devices
+    by_reason = [[0] * len(REASONS) for _ in range(n_devices)]
+    peak, at_peak = [0] * n_devices, [[0] * len(REASONS) for _ in range(n_devices)]
+    for _, device, delta, reason in sorted(placed, key=lambda change: change[0]):
+        level[device] += delta
+        by_reason[device][reason] += delta
+        if level[device] > peak[device]:
+            peak[device], at_peak[device] = level[device], list(by_reason[device])
+    return [{why: b for why, b in zip(REASONS, parts) if b} for parts in at_peak]
+
+
+def _key(tensor: torch.Tensor) -> tuple:
+    return (tensor.device, tensor.untyped_storage().data_ptr())
