@@ -162,6 +162,8 @@ def chromium(playwright, scratch: Path, executable: str, viewport: dict):
         context.close()
 
 
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
 # Kernel status and every code cell as JupyterLab's models hold them (one notebook per page).
 NOTEBOOK_STATE = """() => {
   const app = window.jupyterapp;
@@ -177,6 +179,8 @@ NOTEBOOK_STATE = """() => {
       execution_count: cell.model.executionCount,
       running: cell.promptNode ? cell.promptNode.textContent.includes('*') : false,
       outputs: cell.model.outputs.toJSON(),
+      widget_views: [...cell.outputArea.node.querySelectorAll(':scope > .jp-OutputArea-child > .jp-OutputArea-output')]
+        .filter((output) => output.querySelector('.jupyter-widgets')).length,
     })),
   };
 }"""
@@ -208,7 +212,8 @@ def shut_down_kernel(page, timeout_seconds: float = 20) -> None:
 
 
 def run_all_cells(page, timeout_seconds: float) -> dict:
-    """Run → Run All Cells, then wait until no cell runs and the kernel is idle: the state then."""
+    """Run → Run All Cells, then wait until no cell runs, the kernel is idle and the widgets
+    are drawn: the state then."""
     page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
     deadline = time.monotonic() + timeout_seconds
     state = None
@@ -216,13 +221,32 @@ def run_all_cells(page, timeout_seconds: float) -> dict:
         time.sleep(0.5)
         state = page.evaluate(NOTEBOOK_STATE)
         if state and state["kernel"] == "idle" and not any(cell["running"] for cell in state["cells"]):
-            return state
+            return _with_widgets_drawn(page, state)
     running = [i for i, cell in enumerate(state["cells"]) if cell["running"]] if state else "?"
     raise TimeoutError(f"cells {running} still running after {timeout_seconds:.0f} s")
 
 
+def _with_widgets_drawn(page, state: dict, timeout_seconds: float = 15) -> dict:
+    """The state once every widget output has its view drawn (views render after their cell
+    finished), or after the timeout (then problems_in reports the ones missing)."""
+    deadline = time.monotonic() + timeout_seconds
+    while _widgets_missing(state) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        state = page.evaluate(NOTEBOOK_STATE)
+    return state
+
+
+def _widgets_missing(state: dict) -> bool:
+    return any(cell["widget_views"] < _widget_outputs(cell) for cell in state["cells"])
+
+
+def _widget_outputs(cell: dict) -> int:
+    return sum(WIDGET_MIME in output.get("data", {}) for output in cell["outputs"])
+
+
 def problems_in(state: dict) -> list[str]:
-    """What a learner would see as a failure: cells not run, error outputs, tracebacks on stderr."""
+    """What a learner would see as a failure: cells not run, error outputs, tracebacks on
+    stderr, widgets shown as text instead of drawn."""
     found = []
     for index, cell in enumerate(state["cells"]):
         first_line = cell["source"].strip().splitlines()[0][:60] if cell["source"].strip() else ""
@@ -237,6 +261,9 @@ def problems_in(state: dict) -> list[str]:
                 text = "".join(output["text"]) if isinstance(output["text"], list) else output["text"]
                 if "Traceback" in text or "Error" in text:
                     found.append(f"{where} wrote an error to stderr: {text[-500:]}")
+        widgets = _widget_outputs(cell)
+        if cell["widget_views"] < widgets:  # e.g. the widgets extension did not load: a text repr instead
+            found.append(f"{where}: {widgets - cell['widget_views']} of its {widgets} widgets not rendered")
     not_run = [index for index, cell in enumerate(state["cells"]) if cell["execution_count"] is None]
     if not_run:
         found.append(f"code cells {not_run} (of {len(state['cells'])}) did not run")
