@@ -21,7 +21,6 @@ import time
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
 import pipelab as pl  # noqa: E402

@@ -42,7 +42,7 @@ class ExplorerView:
 
     @property
     def summary(self) -> str:
-        from .plot import devices_named
+        from .plot_style import devices_named
 
         t = self.trace
         peak = t.peak_memory[0] / UNIT

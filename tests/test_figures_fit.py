@@ -9,7 +9,6 @@ ticks outside the view are not drawn, so they do not count).
 import matplotlib.pyplot as plt
 import matplotlib.text
 import pytest
-import torch
 
 import pipelab as pl
 from pipelab.trace import Event, MemorySample, Trace
@@ -130,5 +129,3 @@ def test_the_check_catches_a_clipped_label(drawn_texts):
     with pytest.raises(AssertionError, match="text outside"):
         assert_texts_inside(fig, drawn_texts)
 
-
-torch.manual_seed(0)
