@@ -5,8 +5,8 @@
 1. Throughput: `pl.simulate` of 1F1B at p=64, m=1024 (131,072 actions), validation
    included; target >= 500k actions/s.
 2. Explorer slider change at p=16, m=64: simulate, draw the timeline and the memory panel,
-   encode both PNGs: target <= 100 ms median in the kernel; also at p=4, and the timeline
-   alone, and the same pictures as new figures each time (how the explorer drew before).
+   encode both PNGs: target <= 100 ms median in the kernel (moving m, and moving p); also at
+   p=4, and the same pictures as new figures each time (how the explorer drew before).
 3. Prediction: the MLP at p=4, m=8 on the CPU, makespan predicted from profiled costs
    (`Costs.from_profile` on one micro-batch) vs the measured (replayed) makespan; target
    within 10 %.  Profiling and measuring alternate (see `prediction`), one torch thread.
@@ -46,32 +46,33 @@ def throughput(repeats: int = 5) -> float:
 
 def explorer_update(repeats: int = 15) -> None:
     """One slider change, as the explorer computes it: simulate, then draw the timeline and the memory
-    panel into the figures it keeps and encode both PNGs.  m alternates between two values (63, 64), so
-    every change really redraws (nothing remembered).  Printed: the median wall clock and CPU time of
-    the kernel's process, and, alternated with it, the same pictures drawn as new figures (the
-    explorer before it kept its figures)."""
-    for p, values in ((16, (63, 64)), (4, (7, 8))):
+    panel into the figures it keeps and encode both PNGs, nothing remembered.  Each case alternates
+    two values, so every change really redraws: the micro-batches slider at p=16 (m 63 <-> 64: the
+    figures keep their rows) and at p=4, the devices slider (p 15 <-> 16 at m=64: new rows, all
+    drawn).  Printed: the median wall clock and CPU time of this process; alternated with it, the
+    same pictures drawn as new figures (the explorer before it kept its figures)."""
+    cases = [("m", 16, [(16, 63), (16, 64)]), ("p", 16, [(15, 64), (16, 64)]), ("m", 4, [(4, 7), (4, 8)])]
+    for slider, p, values in cases:
         panels = ExplorerPanels(cached=0)
-        wall, cpu, timeline, new_figures = [], [], [], []
+        wall, cpu, new_figures = [], [], []
         for k in range(repeats):
-            m = values[k % 2]
+            n_devices, n_microbatches = values[k % 2]
             begin, begin_cpu = time.perf_counter(), time.process_time()
-            for picture, _ in enumerate(explorer_pictures(explorer_view(p, m, "1f1b"), panels)):
-                if picture == 0:
-                    timeline.append(time.perf_counter() - begin)
+            for _ in explorer_pictures(explorer_view(n_devices, n_microbatches, "1f1b"), panels):
+                pass
             wall.append(time.perf_counter() - begin)
             cpu.append(time.process_time() - begin_cpu)
             begin = time.perf_counter()
             with gc_paused(collect_young=True):
-                for fig in explorer_figures(explorer_view(p, m, "1f1b")):
+                for fig in explorer_figures(explorer_view(n_devices, n_microbatches, "1f1b")):
                     _png(fig)
             new_figures.append(time.perf_counter() - begin)
         median = statistics.median(wall)
         target = f" (target <= 100 ms: {'met' if median <= 0.100 else 'NOT met'})" if p == 16 else ""
-        print(f"2. explorer slider change, p={p} m={values[1]}/{values[0]} 1F1B (simulate, timeline + memory panel, PNGs): "
-              f"median {median * 1e3:.0f} ms wall, {statistics.median(cpu) * 1e3:.0f} ms CPU over {repeats}{target}; "
-              f"timeline alone {statistics.median(timeline) * 1e3:.0f} ms; drawn as new figures each time "
-              f"{statistics.median(new_figures) * 1e3:.0f} ms")
+        moved = f"m {values[0][1]} <-> {values[1][1]}" if slider == "m" else f"p {values[0][0]} <-> {values[1][0]}"
+        print(f"2. explorer slider change at p={p}, m={values[1][1]} ({moved}; simulate, timeline + memory panel, "
+              f"PNGs): median {median * 1e3:.0f} ms wall, {statistics.median(cpu) * 1e3:.0f} ms CPU over {repeats}"
+              f"{target}; drawn as new figures each time {statistics.median(new_figures) * 1e3:.0f} ms")
 
 
 def prediction(rounds: int = 9, repeats: int = 3) -> float:
