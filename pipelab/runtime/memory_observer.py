@@ -28,8 +28,10 @@ replay, or CUDA events).  `MemoryObserver.place` maps each change, with the host
 
 - inside a window (h0 <= t <= h1): t' = start'(A) + min(t - h0, end'(A) - start'(A)),
   with start'(A), end'(A) the action's start and end in the trace.  On the CPU an
-  action's replayed duration is its measured one, so a change keeps its exact offset
-  into the action; on CUDA (host ahead of the GPU) it is clamped into the action;
+  action's replayed duration is its measured one and the window lies inside the clock's
+  (`loop.run_actions` opens it just after the clock starts and closes it just before the
+  clock stops), so a change keeps its offset into the action, to a microsecond; on CUDA
+  (host ahead of the GPU) it is clamped into the action;
 - outside every window (a transport's send or receive, references dropped after an
   action): at end'(P), P the last action that ended before t; before the first action,
   at start' of the first.  A message sent by P is thus on its receiver's curve from the
