@@ -6,6 +6,7 @@ The widget layer only wires controls to plain, tested functions: `explorer_view`
 
 from __future__ import annotations
 
+import functools
 import html
 from dataclasses import dataclass
 
@@ -286,16 +287,39 @@ def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", wi
     return simulate(pipe.schedule, costs), measured
 
 
+@functools.cache
+def _explorer_box():
+    """The explorer's VBox class (made on first use: ipywidgets loads only with the first widget)."""
+    import ipywidgets as w
+
+    class ExplorerBox(w.VBox):
+        """A VBox whose `view` is the simulation of the controls' current values, made when asked for."""
+
+        _view: ExplorerView | None = None
+
+        @property
+        def view(self) -> ExplorerView:
+            if self._view is None:
+                self._view = explorer_view(**{name: c.value for name, c in self.controls.items()})
+            return self._view
+
+        def forget_view(self) -> None:
+            self._view = None
+
+    return ExplorerBox
+
+
 def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"):
     """The interactive dashboard (JupyterLab): sliders, the timeline, the bubble against the formula.
 
     Returns an `ipywidgets.VBox`; `box.controls` holds the controls (devices, micro-batches,
     schedule, t_B/t_F, latency, checkpoint, memory budget in micro-batch units, 0 = none),
-    `box.view` the latest `ExplorerView` (updated at every change), `box.real` the latest
+    `box.view` the `ExplorerView` of their current values (simulated when first read after a
+    change: a drag sends many values and only the drawn ones need one), `box.real` the latest
     (predicted, measured) pair of a real run and `box.real_for` its (p, m, schedule): the
     comparison is hidden, and said to be out of date, while the sliders show other values.
-    The pictures are redrawn through `box.pictures`, a `Throttle`: a drag shows a picture
-    every redraw (+ 40 ms) and always ends on the last values.
+    The summary and pictures are redrawn through `box.pictures`, a `Throttle`: a drag shows
+    a picture every redraw (+ 40 ms) and always ends on the last values.
     """
     import ipywidgets as w
 
@@ -316,16 +340,17 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
     button = w.Button(description="run it for real (CPU)", icon="play", layout=w.Layout(width="auto"))
     summary, real_message = w.HTML(), w.HTML()
     timeline_image, memory_image, real_image = (w.Image(format="png") for _ in range(3))
-    box = w.VBox([w.HBox([controls["n_devices"], controls["n_microbatches"], controls["schedule"]]),
-                  w.HBox([controls["backward_ratio"], controls["latency"], button]),
-                  w.HBox([controls["checkpoint"], controls["memory_budget"]]),
-                  summary, timeline_image, memory_image, real_message, real_image])
+    box = _explorer_box()([w.HBox([controls["n_devices"], controls["n_microbatches"], controls["schedule"]]),
+                           w.HBox([controls["backward_ratio"], controls["latency"], button]),
+                           w.HBox([controls["checkpoint"], controls["memory_budget"]]),
+                           summary, timeline_image, memory_image, real_message, real_image])
     box.controls, box.real, box.real_for = controls, None, None
     real_image.layout.display = "none"  # until there is a real run to show
     panels = ExplorerPanels()
 
     def pictures():
         try:
+            summary.value = f"<b>{html.escape(box.view.summary)}</b>"
             for image, png in zip((timeline_image, memory_image), explorer_pictures(box.view, panels)):
                 image.value = png  # a picture of our own: no dependence on the notebook's plot backend
         except Exception as error:  # a booked draw runs outside any cell: say what went wrong here
@@ -334,9 +359,8 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
 
     box.pictures = Throttle(pictures)
 
-    def update(_=None):
-        box.view = explorer_view(**{name: c.value for name, c in controls.items()})
-        summary.value = f"<b>{html.escape(box.view.summary)}</b>"  # the numbers at once, the pictures throttled
+    def update(_=None):  # cheap: a drag sends many values; the throttled draw simulates the latest
+        box.forget_view()
         show_real_run()
         box.pictures()
 
