@@ -27,10 +27,11 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -64,6 +65,7 @@ class Lab:
     token: str
     root_dir: Path
     pid: int
+    pending: list = field(default_factory=list)  # threads still shutting kernels down
 
     def notebook_url(self, path: str, workspace: str) -> str:
         """Opens `path` in its own fresh workspace (tabs of one browser do not share a layout)."""
@@ -101,7 +103,10 @@ def jupyterlab(root_dir: Path, scratch: Path):
     try:
         base_url = f"http://127.0.0.1:{port}"
         _wait_until_up(server, f"{base_url}/api/status?token={token}", log_path)
-        yield Lab(base_url, token, root_dir, server.pid)
+        lab = Lab(base_url, token, root_dir, server.pid)
+        yield lab
+        for thread in lab.pending:
+            thread.join(timeout=30)
     finally:
         stop_server(server)
 
@@ -202,13 +207,28 @@ def wait_kernel_idle(page, timeout_seconds: float = 30) -> None:
     page.wait_for_function(KERNEL_IDLE, timeout=timeout_seconds * 1000, polling=50)
 
 
-def shut_down_kernel(page, timeout_seconds: float = 20) -> None:
-    """Shut down the kernel of the page's notebook, if it has one."""
-    page.evaluate("""async (ms) => {
+def shut_down_kernel_soon(page, lab: Lab) -> None:
+    """Shut down the kernel of the page's notebook (if any) in the background: the server
+    takes a second or two, which the next lesson need not wait for."""
+    session = page.evaluate("""() => {
         const panel = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-        if (!panel || !panel.sessionContext || !panel.sessionContext.session) return;
-        await Promise.race([panel.sessionContext.shutdown(), new Promise((done) => setTimeout(done, ms))]);
-    }""", timeout_seconds * 1000)
+        const session = panel && panel.sessionContext && panel.sessionContext.session;
+        return session ? session.id : null;
+    }""")
+    if session is not None:
+        request = urllib.request.Request(f"{lab.base_url}/api/sessions/{session}", method="DELETE",
+                                         headers={"Authorization": f"token {lab.token}"})
+        thread = threading.Thread(target=_send_quietly, args=(request,), daemon=True)
+        thread.start()
+        lab.pending.append(thread)
+
+
+def _send_quietly(request: urllib.request.Request) -> None:
+    try:
+        with urllib.request.urlopen(request, timeout=30):
+            pass
+    except OSError:
+        pass  # the server stops (and kills its kernels) at the end anyway
 
 
 def run_all_cells(page, timeout_seconds: float) -> dict:

@@ -94,7 +94,7 @@ def _explorer_notebook() -> dict:
 
 
 @pytest.fixture
-def page(browser):
+def page(browser, lab):
     """A fresh tab; `page.console_errors` collects console errors and uncaught exceptions.
     Its notebook's kernel is shut down after the test (ten idle kernels hold gigabytes)."""
     tab = browser.new_page()
@@ -103,7 +103,7 @@ def page(browser):
            if message.type == "error" else None)
     tab.on("pageerror", lambda error: tab.console_errors.append(f"uncaught: {error}"))
     yield tab
-    browser_lab.shut_down_kernel(tab)
+    browser_lab.shut_down_kernel_soon(tab, lab)
     tab.close()
 
 
