@@ -157,14 +157,15 @@ def stop_server(process: subprocess.Popen, grace_seconds: float = 10) -> None:
 
 @contextmanager
 def chromium(playwright, scratch: Path, executable: str, viewport: dict):
-    """A Chromium context with a fresh profile in `scratch`; closed on exit."""
+    """A Chromium context with a fresh profile in `scratch`; closed (and the profile removed) on exit."""
+    profile = scratch / "chromium-profile"
     context = playwright.chromium.launch_persistent_context(
-        str(scratch / "chromium-profile"), executable_path=executable, args=CHROMIUM_ARGS, headless=True,
-        viewport=viewport)
+        str(profile), executable_path=executable, args=CHROMIUM_ARGS, headless=True, viewport=viewport)
     try:
         yield context
     finally:
         context.close()
+        shutil.rmtree(profile, ignore_errors=True)
 
 
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
