@@ -8,6 +8,7 @@ only as an inequality (observed keeps at least what autograd saved).
 """
 
 import math
+import time
 
 import pytest
 import torch
@@ -61,7 +62,9 @@ def test_changes_are_placed_at_their_offset_into_an_action_or_at_the_end_of_the_
     observer = MemoryObserver({0: 0, 1: 1})
     f, b = Action("F", 0, 0), Action("B", 0, 0)
     observer.windows = [(10.0, 12.0, f), (20.0, 21.0, b)]  # host seconds, in the order they ran
-    observer.changes = [(9.0, 0, 1, 0), (10.5, 0, 2, 0), (15.0, 1, 3, 4), (20.25, 0, -2, 0), (30.0, 0, -1, 0)]
+    changes = [(9.0, 0, 1, 0), (10.5, 0, 2, 0), (15.0, 1, 3, 4), (20.25, 0, -2, 0), (30.0, 0, -1, 0)]
+    observer.times, observer.devices, observer.deltas, observer.reasons = map(list, zip(*changes))
+    observer.spent_at = [0.0] * len(changes)  # the observer's own time so far at each change
     start, end = {f: 0.0, b: 5.0}, {f: 2.0, b: 5.5}  # the trace's clock (a replay, say)
     placed = observer.place(start, end)
     assert [t for t, *_ in placed] == [0.0,  # before the first action: at its start
@@ -72,6 +75,11 @@ def test_changes_are_placed_at_their_offset_into_an_action_or_at_the_end_of_the_
     end_short = {f: 0.2, b: 5.1}  # a trace action shorter than its host window (CUDA): clamped into it
     assert [t for t, *_ in observer.place(start, end_short)][1:4] == [0.2, 0.2, 5.1]
     assert [t for t, *_ in observer.place({}, {}, shift=100.0)] == [109.0, 110.5, 115.0, 120.25, 130.0]
+    # 0.1 s of the observer's own work before the change in B: windows are on the clock without it,
+    # so the change is 0.15 s into B (the shifted wall clock keeps it)
+    observer.spent_at = [0.0, 0.0, 0.0, 0.1, 0.1]
+    assert observer.place(start, end)[3][0] == pytest.approx(5.15)
+    assert observer.place({}, {}, shift=100.0)[3][0] == 120.25
 
 
 # -- one step, enumerated by hand ------------------------------------------------------------
@@ -264,3 +272,22 @@ def test_cuda_allocator_figures_beside_the_observed_curve():
         end_level = next(s.bytes for s in trace.memory if s.what == "allocated" and s.device == e.device
                          and s.time == e.end)
         assert peak_during[e.device, e.start] >= end_level
+
+
+def test_the_observers_own_time_is_not_in_the_replayed_durations(monkeypatch):
+    from pipelab.runtime import memory_observer
+
+    model = two_stage_model()
+    x, y = torch.randn(4 * N, IN), torch.randn(4 * N, OUT)
+    pipe = pl.Pipeline(model, 2, 4, "1f1b", nn.MSELoss(), devices="cpu")
+    quick = pipe.step(x, y)
+    slow_keep = memory_observer.MemoryObserver._keep
+
+    def keep_slowly(self, *args):  # an observer 20 ms slower per storage
+        time.sleep(0.02)
+        slow_keep(self, *args)
+
+    monkeypatch.setattr(memory_observer.MemoryObserver, "_keep", keep_slowly)
+    slow = pipe.step(x, y)
+    assert slow.wall_seconds > 16 * 0.02  # the 8 actions keep 2 or more storages each: 0.32 s at least
+    assert slow.op_seconds < quick.op_seconds + 0.1  # none of it in the actions' times (0.1 s: noise)

@@ -194,7 +194,9 @@ class Pipeline:
             end = {a: finish - origin for a, (_, finish) in intervals.items()}
             source = "measured"
         else:
-            timing = run_dependencies(self.schedule, duration=lambda a: intervals[a][1] - intervals[a][0])
+            own = observer.own  # the memory observer's own time inside each action: not the step's
+            timing = run_dependencies(self.schedule,
+                                      duration=lambda a: intervals[a][1] - intervals[a][0] - own.get(a, 0.0))
             start, end, source = timing.start, timing.end, "replayed"
         device_of_stage = self.schedule.device_of_stage()
         events = [Event(a.stage, a.kind, a.microbatch, start[a], end[a], device_of_stage[a.stage]) for a in self.order]

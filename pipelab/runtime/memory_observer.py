@@ -39,6 +39,11 @@ replay, or CUDA events).  `MemoryObserver.place` maps each change, with the host
 - `shift=c` instead, when the trace's times are this host's clock plus c (the
   distributed engine on CPUs): t' = t + c, exact.
 
+The observer's own work (a few microseconds per storage kept or freed) is not the step's:
+`spent` adds it up, windows and offsets are taken on the host clock minus it, and the
+local engine replays each action's measured duration minus `own[action]`, the observer's
+time inside it (the distributed engine's wall clock keeps it: there it really passed).
+
 Ties in t' keep the order in which the changes happened.
 """
 
@@ -56,6 +61,7 @@ from ..actions import Action
 from ..trace import MemorySample
 
 REASONS = ("saved", "input", "output", "gradient", "received")
+REASON_INDEX = {why: k for k, why in enumerate(REASONS)}
 """Why a stage keeps a storage, strongest first: saved by autograd for backward; the stage's input
 (the micro-batch, an activation received); its output until sent; a gradient it computed until
 sent; a message (activation or gradient) arrived or its receive buffer posted, not yet used."""
@@ -66,68 +72,106 @@ class MemoryObserver:
 
     def __init__(self, device_of_stage: dict[int, int], excluded: list[torch.Tensor] = ()):
         self.device_of_stage = device_of_stage
-        self.excluded = {_key(t) for t in excluded}  # parameters: not activations
-        self.changes: list[tuple[float, int, int, int]] = []  # (host seconds, device, +/-bytes, reason index)
-        self.live: dict[tuple, list] = {}  # (device, torch device, data_ptr) -> [weakref, reason index, bytes]
+        self.excluded = {q for t in excluded for q in _data_pointers(t)}  # parameters: not activations
+        # the changes, in four flat lists of numbers (nothing for the cyclic GC to track and collect
+        # in the middle of an action): host seconds, device, +bytes or -bytes, reason index
+        self.times: list[float] = []
+        self.spent_at: list[float] = []  # the observer's own time so far, when each change happened
+        self.devices: list[int] = []
+        self.deltas: list[int] = []
+        self.reasons: list[int] = []
+        # what is alive: key (data_ptr, device) -> its weakref, reason index, bytes.  Data pointers are
+        # unique across devices (CUDA's unified virtual addressing) while the storage lives.
+        self.refs: dict[tuple[int, int], weakref.ref] = {}
+        self.reason: dict[tuple[int, int], int] = {}
+        self.size: dict[tuple[int, int], int] = {}
+        self.key_of: dict[int, tuple[int, int]] = {}  # id(weakref) -> key
+        self.freed_callback = self._freed  # one bound method for every weakref
         self.windows: list[tuple[float, float, Action]] = []  # (h0, h1, action), in the order run
+        self.own: dict[Action, float] = {}  # seconds the observer itself spent inside each action
         self.allocated_peak: dict[Action, int] = {}  # CUDA: torch.cuda.max_memory_allocated during the action
-        self._began: float = 0.0
+        self.spent = 0.0  # seconds spent in `keep` and in the callbacks, so far
+        self._began: tuple[float, float] = (0.0, 0.0)
 
     # -- recording ---------------------------------------------------------------------
     def keep(self, stage: int, tensor: Any, why: str = "saved") -> None:
         """Count `tensor`'s storage on `stage`'s device, for reason `why`, from now until PyTorch frees it.
 
-        Once per device: a storage kept again only moves to a stronger reason.
+        Once per device: a storage kept again only moves to a stronger reason.  The time this
+        takes is added to `spent` (and taken out of the action's measured time by the local engine).
         """
-        if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+        began = time.perf_counter()
+        self._keep(stage, tensor, why, began)
+        self.spent += time.perf_counter() - began
+
+    def _keep(self, stage: int, tensor: Any, why: str, now: float) -> None:
+        if not isinstance(tensor, torch.Tensor):
             return
         if is_traceable_wrapper_subclass(tensor):  # a DTensor: its memory is the tensors it wraps
             names, _ = tensor.__tensor_flatten__()
             for name in names:
-                self.keep(stage, getattr(tensor, name), why)
+                self._keep(stage, getattr(tensor, name), why, now)
             return
         storage = tensor.untyped_storage()
+        pointer = storage.data_ptr()
+        if pointer == 0 or pointer in self.excluded:  # no bytes (empty, or on the meta device), or a parameter
+            return
+        device, reason = self.device_of_stage[stage], REASON_INDEX[why]
+        key = (pointer, device)
+        if key in self.refs:
+            old = self.reason[key]
+            if reason < old:  # the same bytes, now for a stronger reason
+                self._change(now, device, -self.size[key], old)
+                self._change(now, device, self.size[key], reason)
+                self.reason[key] = reason
+            return
         nbytes = storage.nbytes()
-        key = _key(tensor)
-        if nbytes == 0 or key in self.excluded:
-            return
-        device, reason = self.device_of_stage[stage], REASONS.index(why)
-        held = (device, *key)
-        changes, live = self.changes, self.live
-        if held in live:
-            entry = live[held]
-            if reason < entry[1]:  # the same bytes, now for a stronger reason
-                now = time.perf_counter()
-                changes += [(now, device, -nbytes, entry[1]), (now, device, nbytes, reason)]
-                entry[1] = reason
-            return
+        self._change(now, device, nbytes, reason)
+        ref = weakref.ref(storage, self.freed_callback)
+        self.refs[key], self.reason[key], self.size[key], self.key_of[id(ref)] = ref, reason, nbytes, key
 
-        def freed(_ref, held=held, device=device, nbytes=nbytes) -> None:
-            entry = live.pop(held, None)
-            if entry is not None:
-                changes.append((time.perf_counter(), device, -nbytes, entry[1]))
+    def _change(self, now: float, device: int, delta: int, reason: int) -> None:
+        self.times.append(now)
+        self.spent_at.append(self.spent)
+        self.devices.append(device)
+        self.deltas.append(delta)
+        self.reasons.append(reason)
 
-        changes.append((time.perf_counter(), device, nbytes, reason))
-        live[held] = [weakref.ref(storage, freed), reason, nbytes]
+    def _freed(self, ref: weakref.ref) -> None:
+        """Called by Python when PyTorch frees a storage kept."""
+        began = time.perf_counter()
+        key = self.key_of.pop(id(ref), None)
+        if key is not None and self.refs.pop(key, None) is not None:
+            self._change(began, key[1], -self.size.pop(key), self.reason.pop(key))
+        self.spent += time.perf_counter() - began
+
+    @property
+    def changes(self) -> list[tuple[float, int, int, int]]:
+        """(host seconds, device, +bytes or -bytes, reason index) of every change, in order."""
+        return list(zip(self.times, self.devices, self.deltas, self.reasons))
 
     def begin(self, action: Action, device: torch.device) -> None:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        self._began = time.perf_counter()
+        self._began = (time.perf_counter(), self.spent)
 
     def end(self, action: Action, device: torch.device) -> None:
-        self.windows.append((self._began, time.perf_counter(), action))
+        began, spent = self._began
+        self.windows.append((began - spent, time.perf_counter() - self.spent, action))  # on the observer-free clock
+        self.own[action] = self.spent - spent
         if device.type == "cuda":
             self.allocated_peak[action] = torch.cuda.max_memory_allocated(device)
 
     def close(self) -> None:
         """Stop observing: storages still alive are left alone (their callbacks will not fire)."""
-        self.live.clear()
+        for table in (self.refs, self.reason, self.size, self.key_of):
+            table.clear()
+        self.freed_callback = None
 
     @property
     def still_kept(self) -> int:
         """Bytes still alive of what was kept (0 after a step that freed everything)."""
-        return sum(change[2] for change in self.changes)
+        return sum(self.deltas)
 
     # -- the trace's time axis -----------------------------------------------------------
     def place(self, start: dict[Action, float], end: dict[Action, float],
@@ -139,7 +183,8 @@ class MemoryObserver:
             return []
         opens = [h0 for h0, _, _ in self.windows]
         placed = []
-        for t, *rest in self.changes:
+        for (t, *rest), spent in zip(self.changes, self.spent_at):
+            t -= spent  # on the clock without the observer's own time, as the windows
             k = bisect.bisect_right(opens, t) - 1  # the last action that began at or before t
             if k < 0:
                 where = start[self.windows[0][2]]
@@ -176,5 +221,11 @@ def observed_breakdown(placed: list[tuple], n_devices: int) -> list[dict[str, in
     return [{why: b for why, b in zip(REASONS, parts) if b} for parts in at_peak]
 
 
-def _key(tensor: torch.Tensor) -> tuple:
-    return (tensor.device, tensor.untyped_storage().data_ptr())
+def _data_pointers(tensor: Any) -> list[int]:
+    """The data pointers of the storages behind `tensor` (a DTensor's are those of the tensors it wraps)."""
+    if not isinstance(tensor, torch.Tensor):  # a wrapper's other fields (a DTensor's mesh)
+        return []
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        return [q for name in names for q in _data_pointers(getattr(tensor, name))]
+    return [tensor.untyped_storage().data_ptr()]
