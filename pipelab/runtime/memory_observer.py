@@ -8,7 +8,10 @@ without that rule.  A stage *keeps* a storage when
 - it is the stage's input (the micro-batch, or an activation received), its output until
   sent, a gradient received until used, or a gradient computed until sent,
 - a transport holds it for the stage (a message waiting in the in-process box, a receive
-  buffer posted ahead of need, a send not yet completed).
+  buffer posted ahead of need, a sent tensor gloo keeps until the send is waited for).
+
+Between two devices' stages the in-process transport sends a copy, as a real send does
+(`loop.InProcessTransport`), so no storage is shared by two devices.
 
 Each storage is kept for a reason (REASONS: "saved", "input", "output", "gradient",
 "received"); when a storage already kept is kept again for a stronger reason (earlier in
@@ -33,7 +36,7 @@ replay, or CUDA events).  `MemoryObserver.place` maps each change, with the host
   clock stops), so a change keeps its offset into the action, to a microsecond; on CUDA
   (host ahead of the GPU) it is clamped into the action;
 - outside every window (a transport's send or receive, references dropped after an
-  action): at end'(P), P the last action that ended before t; before the first action,
+  action): at end'(P), P the last action this process ran before t; before the first action,
   at start' of the first.  A message sent by P is thus on its receiver's curve from the
   moment P ended, as it would arrive on a free link;
 - `shift=c` instead, when the trace's times are this host's clock plus c (the
@@ -61,10 +64,10 @@ from ..actions import Action
 from ..trace import MemorySample
 
 REASONS = ("saved", "input", "output", "gradient", "received")
-REASON_INDEX = {why: k for k, why in enumerate(REASONS)}
 """Why a stage keeps a storage, strongest first: saved by autograd for backward; the stage's input
 (the micro-batch, an activation received); its output until sent; a gradient it computed until
 sent; a message (activation or gradient) arrived or its receive buffer posted, not yet used."""
+REASON_INDEX = {why: k for k, why in enumerate(REASONS)}
 
 
 class MemoryObserver:
