@@ -26,7 +26,9 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked for
-    if name in ("plot", "widgets", "distributed", "compare_engines", "quiz", "balance", "communication", "fastest", "gradients", "phases", "pipedream", "split_backward"):
+    if name in ("plot", "widgets", "distributed", "compare_engines", "quiz", "balance", "communication", "fastest",
+                "gradients", "phases", "pipedream", "split_backward", "warmup_depth", "pipedream_run", "sync_async",
+                "hybrid_costs", "hybrid_lesson"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")
