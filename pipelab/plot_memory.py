@@ -6,7 +6,7 @@ import numpy as np
 from matplotlib.ticker import MaxNLocator
 
 from .plot_style import check_trace, devices_named, distinct_colors, plt, time_unit
-from .trace import Trace
+from .trace import Trace, memory_kind
 
 COUNTED = ("counted", "activations")  # the samples by the engine's counting rule ("activations": their old name)
 HEATMAP_FROM = 9  # devices: from here on, memory() draws a heat-map (one line per device would be a tangle)
@@ -14,8 +14,12 @@ HEATMAP_FROM = 9  # devices: from here on, memory() draws a heat-map (one line p
 
 def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | None = None,
            budget_bytes: float | None = None, unit_bytes: float = 2**20, unit_name: str = "MiB",
-           heatmap: bool | None = None):
+           heatmap: bool | None = None, what: str = "counted"):
     """Activation bytes held on each device over the step, peaks marked.
+
+    `what` picks the curve: "counted" (the engine's rule: saved tensors held from F to B,
+    the simulator's rule too), "observed" (the storages a stage really kept, measured by
+    their lifetimes: an engine's step only), or "allocated" (the CUDA allocator).
 
     Up to 8 devices: one step line per device.  From 9 on (or with `heatmap=True`): a
     heat-map, one row per device (device 0 on top) and the colour the bytes held, which
@@ -29,18 +33,20 @@ def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | N
         check_trace(t, "memory")
     if heatmap is None:
         heatmap = max(t.n_devices for t in (trace, predicted) if t is not None) >= HEATMAP_FROM
+    what = memory_kind(what)
+    trace.peak_memory_by(what)  # a clear error when the trace holds no such samples
     options = dict(budget_bytes=budget_bytes, unit_bytes=unit_bytes, unit_name=unit_name, heatmap=heatmap)
     if predicted is not None:
         fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.6), sharey=True, layout="constrained")
-        top = max(max(t.peak_memory, default=0) for t in (trace, predicted))
-        for side, t, label in ((left, predicted, "predicted"), (right, trace, "measured")):
-            image = draw_memory(side, t, title=f"{label} — {t.source_label}", top_bytes=top, **options)
+        top = max(max(predicted.peak_memory, default=0), max(trace.peak_memory_by(what), default=0))
+        for side, t, label, kind in ((left, predicted, "predicted", "counted"), (right, trace, what, what)):
+            image = draw_memory(side, t, title=f"{label} — {t.source_label}", top_bytes=top, what=kind, **options)
         if image is not None:
             fig.colorbar(image, ax=[left, right], extend="max" if budget_bytes else "neither",
                          label=f"activation memory ({unit_name})")
         return fig
     if ax is not None:
-        image = draw_memory(ax, trace, title, **options)
+        image = draw_memory(ax, trace, title, what=what, **options)
         if image is not None:
             ax.figure.colorbar(image, ax=ax, extend="max" if budget_bytes else "neither",
                                label=f"activation memory ({unit_name})")
@@ -48,7 +54,7 @@ def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | N
         return ax.figure
     fig, ax = plt.subplots()
     fit_memory(fig, heatmap)
-    image = draw_memory(ax, trace, title, legend_outside=True, **options)
+    image = draw_memory(ax, trace, title, legend_outside=True, what=what, **options)
     if image is not None:
         colorbar(fig, image, unit_name, budget_bytes)
     return fig
@@ -79,14 +85,17 @@ def colorbar(fig, image, unit_name: str, budget_bytes: float | None, bar=None):
 
 def draw_memory(ax, trace: Trace, title: str | None = None, budget_bytes: float | None = None,
                 unit_bytes: float = 2**20, unit_name: str = "MiB", heatmap: bool = False,
-                legend_outside: bool = False, top_bytes: float | None = None):
+                legend_outside: bool = False, top_bytes: float | None = None, what: str = "counted"):
     """Everything `memory` draws for one trace onto an existing (empty) `ax`; returns the heat-map's
-    image (for a colour bar) or None.  `top_bytes`: the top of the heat-map's colour scale."""
+    image (for a colour bar) or None.  `top_bytes`: the top of the heat-map's colour scale; `what`:
+    the samples drawn ("counted", "observed", ...)."""
     origin = min((e.start for e in trace.events), default=0.0)
     end = trace.makespan  # a property that walks every event: read it once
     scale, unit = time_unit(end, trace.source)
-    curves = _memory_curves(trace, origin, scale, end * scale, unit_bytes)
-    peaks = [bytes_ / unit_bytes for bytes_ in trace.peak_memory]
+    what = memory_kind(what)
+    curves = _memory_curves(trace, origin, scale, end * scale, unit_bytes, what)
+    peaks = [bytes_ / unit_bytes for bytes_ in trace.peak_memory_by(what)]
+    kept = "activations kept for backward" if what == "counted" else f"activation memory, {what}"
     budget = budget_bytes / unit_bytes if budget_bytes is not None else None
     over = [d for d in range(trace.n_devices) if budget is not None and peaks[d] > budget]
     ax.set_xlabel(unit)
@@ -94,28 +103,33 @@ def draw_memory(ax, trace: Trace, title: str | None = None, budget_bytes: float 
         top = budget if budget else max((top_bytes or 0) / unit_bytes, max(peaks, default=0))
         image = _memory_heatmap(ax, trace.n_devices, curves, end * scale, top or 1.0)
         highest = max(range(trace.n_devices), key=peaks.__getitem__) if peaks else 0
-        text = title or (f"{trace.schedule_name}: activations kept for backward — {trace.source_label}\n"
+        text = title or (f"{trace.schedule_name}: {kept} — {trace.source_label}\n"
                          f"highest peak {peaks[highest]:.3g} {unit_name}, on device {highest}")
     else:
         image = None
         _memory_lines(ax, curves, peaks, budget, unit_name, legend_outside)
         ax.set_ylabel(f"activation memory ({unit_name})")
-        text = title or f"{trace.schedule_name}: activations kept for backward — {trace.source_label}"
+        text = title or f"{trace.schedule_name}: {kept} — {trace.source_label}"
     if over:
         text += f"\nout of memory on {devices_named(over)}"
     ax.set_title(text, fontsize=10, color="crimson" if over else "black", y=1.0)  # y: see timeline
     return image
 
 
-def _memory_curves(trace: Trace, origin: float, scale: float, end: float, unit_bytes: float) -> dict:
-    """device -> (times, levels) of its activation memory as a step function, up to `end`."""
+def _memory_curves(trace: Trace, origin: float, scale: float, end: float, unit_bytes: float,
+                   what: str = "counted") -> dict:
+    """device -> (times, levels) of its `what` samples as a step function, up to `end`.
+
+    Sorted by time only: samples at the same time keep the order they were recorded in
+    (the last is the level held from then on)."""
+    kinds = COUNTED if what == "counted" else (what,)
     samples: dict[int, list] = {}
     for s in trace.memory:
-        if s.what in COUNTED:
+        if s.what in kinds:
             samples.setdefault(s.device, []).append((s.time, s.bytes))
     curves = {}
     for device, points in sorted(samples.items()):
-        table = np.array(sorted(points), dtype=float)
+        table = np.array(sorted(points, key=lambda point: point[0]), dtype=float)
         times = np.append((table[:, 0] - origin) * scale, end)
         levels = np.append(table[:, 1], table[-1, 1]) / unit_bytes
         curves[device] = (times, levels)

@@ -3,6 +3,7 @@
 import matplotlib.colors as mcolors
 import numpy as np
 import pytest
+import torch
 
 import pipelab as pl
 from pipelab.trace import Event, MemorySample, Trace
@@ -106,7 +107,7 @@ def test_memory_plot_side_by_side_and_budget():
     measured, predicted = two_device_trace(), two_device_trace("simulated")
     fig = pl.plot.memory(measured, predicted=predicted, budget_bytes=60)
     left, right = fig.axes
-    assert left.get_title().startswith("predicted") and right.get_title().startswith("measured")
+    assert left.get_title().startswith("predicted") and right.get_title().startswith("counted")
     assert "out of memory on device 0" in right.get_title()  # device 0 peaks at 100 bytes > 60
     assert any(line.get_linestyle() == "--" for line in right.get_lines())
     assert "out of memory" not in pl.plot.memory(measured, budget_bytes=1000).axes[0].get_title()
@@ -172,3 +173,25 @@ def test_titles_count_in_the_singular_and_the_plural():
     model = pl.models.mlp(depth=2, width=4)
     assert "into 1 stage:" in pl.plot.partition(pl.split(model, 1)).axes[0].get_title()
     assert pl.plot.counted(1, "micro-batch") == "1 micro-batch" and pl.plot.counted(0, "device") == "0 devices"
+
+
+def test_memory_plot_draws_the_observed_curve_of_an_engine_step():
+    model = pl.models.mlp(depth=4, width=16, seed=0)
+    x, y = pl.models.sample_batch(model, batch_size=8)
+    trace = pl.Pipeline(model, n_stages=2, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss(),
+                        devices="cpu").step(x, y).trace
+    observed, counted = trace.peak_memory_observed, trace.peak_memory
+    assert observed != counted  # else the test could not tell the curves apart
+    for what, peaks in (("observed", observed), ("counted", counted)):
+        ax = pl.plot.memory(trace, what=what, unit_bytes=1, unit_name="B").axes[0]
+        assert what in ax.get_title() or (what == "counted" and "kept for backward" in ax.get_title())
+        tops = [max(line.get_ydata()) for line in ax.get_lines() if line.get_linestyle() != "--"]
+        assert tops == pytest.approx(peaks)
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == [f"device {d}: peak {peaks[d]:.3g}" for d in (0, 1)]
+    fig = pl.plot.memory(trace, predicted=pl.simulate(pl.schedules.one_f_one_b(2, 4), pl.Costs(1.0, 2.0)),
+                         what="observed")
+    assert fig.axes[1].get_title().startswith("observed")
+    with pytest.raises(ValueError, match="no 'observed' memory samples"):
+        pl.plot.memory(pl.simulate(pl.schedules.gpipe(2, 2), pl.Costs(1.0, 2.0)), what="observed")
+    with pytest.raises(ValueError, match="memory samples are one of"):
+        pl.plot.memory(trace, what="measured")
