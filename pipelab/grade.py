@@ -62,6 +62,7 @@ class TestOutcome:
     function: str = ""  # the function of that frame
     property: str = ""  # the contract line the failure breaks (the assertion's first line)
     example: str = ""  # hypothesis' failing example: "case=([0, 3, 1, 3], 3)"; "" if none
+    caught_under_seeds: list[int] = field(default_factory=list)  # with --seeds (tests/tasks/conftest.py)
 
 
 @dataclass

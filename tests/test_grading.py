@@ -9,10 +9,10 @@ These tests run it in subprocesses, through ``pipelab.grade.run_task_tests``, an
 - every mutant in tests/mutants/<task>/<name>/ (a plausible wrong answer) fails at least
   one test of its task, for a reason other than an import error; at least three per task
   (a mutant named *_hangs is an infinite loop, stopped by a 2 s timeout);
-- and it does so whatever hypothesis' seed: a mutant caught by a test that draws nothing
-  (no ``@given``, or one of its ``@example`` cases) is caught under every seed; a mutant
-  that only property tests catch is run again through them under 20 random seeds (one
-  pytest process, no shrinking), and must fail under each;
+- and it does so whatever hypothesis' seed: a test that draws nothing (no ``@given``)
+  catches it under every seed, and each property test that catches it under the fixed
+  profile is run again under 20 random seeds (one pytest process, no shrinking) and
+  must catch it under each;
 - grading writes nothing into the checkout (``pipelab grade`` run on a copy of it), and
   its report names the property that failed and hypothesis' failing example;
 - exercises/ and solutions/ have the same functions, signatures and docstrings, and the
@@ -304,22 +304,18 @@ def killers(runs, mutant: Path) -> set[str]:
     return {function_of(o) for o in outcomes_of(runs, mutant) if o.status in ("failed", "timed_out")}
 
 
-def seed_of(outcome: grade.TestOutcome) -> int:
-    return int(re.search(r"seed=(\d+)", outcome.nodeid)[1])
-
-
 @pytest.fixture(scope="module")
 def seed_run(runs, tmp_path_factory):
-    """(seeds, {mutant: property tests rerun}, TestRun): the mutants that only property
-    tests caught, through those tests once per seed, in one pytest process."""
+    """(seeds, {mutant: property tests}, TestRun): each mutant through the property tests
+    that caught it under the fixed profile, once per seed, all in one pytest process."""
     seeds = sorted(random.SystemRandom().sample(range(2**32), N_SEEDS))
     rerun = {}
-    for mutant in (path for path in MUTANTS if run_name(path) in runs):
-        caught_by = killers(runs, mutant)
-        if caught_by and caught_by <= property_tests(task_of(mutant)) and not hangs(mutant):
+    for mutant in (path for path in MUTANTS if run_name(path) in runs and not hangs(path)):
+        caught_by = killers(runs, mutant) & property_tests(task_of(mutant))
+        if caught_by:
             rerun[mutant] = sorted(caught_by)
     if not rerun:
-        return seeds, rerun, None
+        return seeds, rerun, grade.TestRun()
     only = tmp_path_factory.mktemp("seeds") / "only.json"
     only.write_text(json.dumps({str(mutant): names for mutant, names in rerun.items()}), encoding="utf-8")
     run = grade.run_task_tests(
@@ -332,28 +328,29 @@ def seed_run(runs, tmp_path_factory):
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=mutant_name)
 def test_mutant_is_killed_whatever_the_seed(runs, seed_run, mutant):
+    """Caught under every seed: by a test that draws nothing (no @given), whose outcome
+    the seed cannot change; and by each property test that caught it under the fixed
+    profile, run again under 20 random seeds (so their random part does not depend on
+    luck either)."""
     caught_by = killers(runs, mutant)
-    drawing_nothing = caught_by - property_tests(task_of(mutant))
+    assert caught_by, f"mutant {mutant_name(mutant)} was not caught at all"
     if hangs(mutant):
-        assert drawing_nothing, (
+        assert caught_by - property_tests(task_of(mutant)), (
             f"mutant {mutant_name(mutant)} hangs, and only property tests ({sorted(caught_by)}) "
             "stop it: add a test without @given that reaches the loop"
         )
-    if drawing_nothing:
-        return  # caught by a test that draws nothing: the seed cannot matter
+        return
     seeds, rerun, run = seed_run
-    assert mutant in rerun, f"mutant {mutant_name(mutant)} was not caught at all"
-    failed = {
-        seed_of(o) for o in run.outcomes
-        if o.impl == str(mutant) and o.status in ("failed", "timed_out")
-    }
+    if mutant not in rerun:
+        return  # caught only by tests that draw nothing: the seed cannot matter
+    failed = {seed for o in run.outcomes if o.impl == str(mutant) for seed in o.caught_under_seeds}
     survived = [seed for seed in seeds if seed not in failed]
     task_file = f"tests/tasks/test_{grade.marker(task_of(mutant))}.py"
     assert not survived, (
-        f"mutant {mutant_name(mutant)} is caught only by the property tests {rerun[mutant]}, "
-        f"and not under the seeds {survived} (of {len(seeds)}): pin the case that catches it "
-        f"with @example.  Rerun: python -m pytest {task_file} --impl {mutant.relative_to(ROOT)} "
-        f"{SEEDS_PROFILE} --seeds={survived[0]} -p no:cacheprovider"
+        f"mutant {mutant_name(mutant)}: the property tests {rerun[mutant]} caught it under the "
+        f"fixed profile, not under the seeds {survived} (of {len(seeds)}): pin the case that "
+        f"catches it with @example.  Rerun: python -m pytest {task_file} --impl "
+        f"{mutant.relative_to(ROOT)} {SEEDS_PROFILE} --seeds={survived[0]} -p no:cacheprovider"
     )
 
 
@@ -503,3 +500,57 @@ def test_grade_passes_the_solutions(runs, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"{len(TASKS)} of {len(TASKS)} tasks pass." in out
     assert all(f"Task {task}" in out for task in TASKS)
+
+
+# ---- the kill counts, by hand: python tests/test_grading.py [--seeds 20] --------------------
+
+
+def kill_counts(n_seeds: int = N_SEEDS) -> str:
+    """Per task: the mutants caught under the fixed profile, and under each of ``n_seeds``
+    random seeds with every property test of the task run once per seed (no shortcut:
+    what test_mutant_is_killed_whatever_the_seed skips is run here too).  The last
+    columns count the mutants that the property tests alone catch under every seed, and
+    name the others with the number of seeds under which they do."""
+    seeds = sorted(random.SystemRandom().sample(range(2**32), n_seeds))
+    lines = [
+        f"seeds: {','.join(map(str, seeds))}", "",
+        f"{'task':5} {'mutants':>7} {'fixed':>7} {f'{n_seeds} seeds':>9} {'property tests alone':>21}"
+        "   (caught under k of the seeds by property tests alone)",
+    ]
+    totals = [0, 0, 0, 0]
+    for task in TASKS:
+        mutants = [path for path in MUTANTS if task_of(path) == task]
+        others = [path for path in mutants if not hangs(path)]
+        fixed = grade.run_task_tests([str(path) for path in others], [task], pytest_args=META)
+        for path in filter(hangs, mutants):
+            fixed.outcomes += grade.run_task_tests(str(path), [task], timeout_s=2.0, pytest_args=(*META, "-x")).outcomes
+        seeded = grade.run_task_tests(
+            [str(path) for path in others], [task],
+            pytest_args=(SEEDS_PROFILE, f"--seeds={','.join(map(str, seeds))}"),
+        ) if others and property_tests(task) else grade.TestRun()
+        counts, weak = [len(mutants), 0, 0, 0], []
+        for path in mutants:
+            caught_by = {function_of(o) for o in fixed.outcomes
+                         if o.impl == str(path) and o.status in ("failed", "timed_out")}
+            failed_seeds = {seed for o in seeded.outcomes if o.impl == str(path) for seed in o.caught_under_seeds}
+            by_properties = failed_seeds >= set(seeds)
+            counts[1] += bool(caught_by)
+            counts[2] += bool(caught_by - property_tests(task)) or by_properties
+            counts[3] += by_properties
+            if not by_properties and not hangs(path):
+                weak.append(f"{path.name} {len(failed_seeds)}/{n_seeds}")
+        totals = [total + count for total, count in zip(totals, counts)]
+        n = counts[0]
+        lines.append(f"{task:5} {n:>7} {counts[1]:>4}/{n:<2} {counts[2]:>6}/{n:<2} {counts[3]:>18}/{n:<2}"
+                     f"   {', '.join(weak)}")
+    n = totals[0]
+    lines.append(f"{'all':5} {n:>7} {totals[1]:>4}/{n:<2} {totals[2]:>6}/{n:<2} {totals[3]:>18}/{n:<2}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Kill counts of tests/mutants: " + kill_counts.__doc__.split("\n")[0])
+    parser.add_argument("--seeds", type=int, default=N_SEEDS, help=f"random seeds (default {N_SEEDS})")
+    print(kill_counts(parser.parse_args().seeds))

@@ -15,9 +15,10 @@ of the run.
     pipelab-seeds   no database, no shrinking: the first failing example is enough when
                     all that counts is whether a wrong answer is caught (with --seeds)
 
-**Seeds.**  ``--seeds 3,17,...`` runs every property test (``@given``) once per seed
-(``[...-seed=17]`` in its id; hypothesis' random generator seeded with 17, as
-``--hypothesis-seed`` does for a whole run) and deselects the other tests; ``--only FILE``
+**Seeds.**  ``--seeds 3,17,...`` runs every property test (``@given``) once per seed,
+with hypothesis' random generator seeded as ``--hypothesis-seed=17`` seeds a whole run,
+and deselects the other tests; the record of each says under which seeds it failed
+(``caught_under_seeds``).  ``--only FILE``
 keeps only the tests named in FILE, a JSON object {implementation: [test function
 names]}.  tests/test_grading.py uses both to show that each mutant is caught whatever
 the seed.  Both options need a path under tests/tasks on the command line (they are
@@ -102,20 +103,32 @@ def _is_property_test(function) -> bool:
     return bool(getattr(function, "is_hypothesis_test", False))
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    seeds = _seeds(metafunc.config)
-    if seeds and _is_property_test(metafunc.function):
-        metafunc.fixturenames.append("_hypothesis_seed")  # not an argument of the test
-        metafunc.parametrize("_hypothesis_seed", seeds, ids=[f"seed={s}" for s in seeds], indirect=True)
+_CAUGHT_UNDER = pytest.StashKey[list]()
 
 
-@pytest.fixture
-def _hypothesis_seed(request):
-    """Runs the property test with hypothesis' random generator seeded as ``--hypothesis-seed``."""
-    test = request.node.obj
-    hypothesis_seed(request.param)(test)
-    yield request.param
-    test._hypothesis_internal_use_seed = None
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function):
+    """With --seeds, a property test runs once per seed inside its one test item (cheaper
+    than an item per seed); the item fails if any seed fails, and its record lists the
+    seeds that failed (``caught_under_seeds``)."""
+    seeds = _seeds(pyfuncitem.config)
+    test = pyfuncitem.obj
+    if not seeds or not _is_property_test(test):
+        return None
+    arguments = {name: pyfuncitem.funcargs[name] for name in pyfuncitem._fixtureinfo.argnames}
+    caught = pyfuncitem.stash[_CAUGHT_UNDER] = []
+    try:
+        for seed in seeds:
+            hypothesis_seed(seed)(test)  # hypothesis' generator seeded as --hypothesis-seed does
+            try:
+                test(**arguments)
+            except Exception:  # noqa: BLE001  (any failure catches the answer; a timeout is no Exception)
+                caught.append(seed)
+    finally:
+        test._hypothesis_internal_use_seed = None
+    if caught:
+        pytest.fail(f"failed under {len(caught)} of {len(seeds)} seeds", pytrace=False)
+    return True
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -190,12 +203,14 @@ def pytest_exception_interact(node, call, report) -> None:
     broken = "returns in time (no infinite loop)" if status == "timed_out" else _property(node, excinfo.value)
     _record(event="result", nodeid=node.nodeid, impl=_impl_of(node), status=status,
             message=_short(text), error_type=excinfo.typename, raised_in=raised_in,
-            function=function, property=broken, example=_failing_example(excinfo.value))
+            function=function, property=broken, example=_failing_example(excinfo.value),
+            caught_under_seeds=node.stash.get(_CAUGHT_UNDER, []))
 
 
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> None:
     if call.excinfo is None and call.when == "call":
-        _record(event="result", nodeid=item.nodeid, impl=_impl_of(item), status="passed")
+        _record(event="result", nodeid=item.nodeid, impl=_impl_of(item), status="passed",
+                caught_under_seeds=item.stash.get(_CAUGHT_UNDER, []))
     elif call.excinfo is not None and call.excinfo.errisinstance(pytest.skip.Exception):
         reason = str(call.excinfo.value)
         _record(event="result", nodeid=item.nodeid, impl=_impl_of(item), status="skipped",

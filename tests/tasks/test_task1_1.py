@@ -166,6 +166,7 @@ def costs_and_n_stages(draw):
 @example(([0, 0, 0, 0], 2))
 @example(([3, 18, 10, 7], 3))
 @example(((4, 1, 1, 1, 1), 2))  # a heavy first layer, costs in a tuple
+@example(([2, 1, 1, 6], 2))  # a heavy last layer: a last stage of one layer
 @example(([0.1] * 10, 3))  # sums that floats round
 @given(costs_and_n_stages())
 def test_bottleneck_is_the_smallest_possible(impl, case):

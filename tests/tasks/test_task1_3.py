@@ -65,7 +65,12 @@ def pipelined_step(learner, stages, x, y, loss_fn, n_microbatches, order):
     for x_mb, y_mb in zip(x.tensor_split(n_microbatches), y.tensor_split(n_microbatches)):
         saved, activation = [], x_mb
         for stage in stages:
-            input_leaf, activation = learner.stage_forward(stage, activation)
+            requires_grad = activation.requires_grad
+            received, (input_leaf, activation) = activation, learner.stage_forward(stage, activation)
+            assert received.requires_grad == requires_grad, (
+                f"{UNCHANGED}\nthe activation given to stage_forward now has requires_grad="
+                f"{received.requires_grad}"
+            )
             saved.append((input_leaf, activation))
         loss = loss_fn(activation, y_mb) * (len(x_mb) / batch_size)
         saved[-1] = (saved[-1][0], loss)
