@@ -13,6 +13,10 @@ weights they reach so that each W call runs only its own branches.
 
 A stage whose input needs no gradient (the first stage, or integer tokens) has no input
 path: its B computes nothing and its W the whole backward.
+
+The output may be given as a tensor or as its `GradientEdge` (what the engines keep once
+the output itself is freed, `runtime/stage.release_output`); a scalar output (the last
+stage's loss) needs no `grad_output`.  What W needs is kept without the output's values.
 """
 
 from __future__ import annotations
@@ -29,8 +33,15 @@ class WeightWork:
     the weights their branches reach."""
 
     groups: list[tuple[list[Node], list[tuple], list[torch.Tensor]]] = field(default_factory=list)
-    whole: tuple[torch.Tensor, torch.Tensor] | None = None  # (output, grad) when there is no input path
+    whole: tuple[GradientEdge, torch.Tensor | None] | None = None  # (output's edge, grad) without an input path
     parameters: list[torch.Tensor] = field(default_factory=list)
+
+    def recorded_gradients(self) -> list[torch.Tensor]:
+        """The gradients B recorded for W (memory a stage holds from B to W, with the graph's saved tensors)."""
+        found = [g for _, recorded, _ in self.groups for grads in recorded for g in grads if g is not None]
+        if self.whole is not None and self.whole[1] is not None:
+            found.append(self.whole[1])
+        return found
 
 
 def _graph(root: Node) -> list[Node]:
@@ -49,17 +60,25 @@ def _graph(root: Node) -> list[Node]:
     return order[::-1]
 
 
-def backward_input(output: torch.Tensor, grad_output: torch.Tensor | None, inp, parameters: list[torch.Tensor]):
-    """B: return d loss / d `inp` (None without an input path) and the `WeightWork` W needs."""
-    grad = torch.ones_like(output) if grad_output is None else grad_output
+def backward_input(output: torch.Tensor | GradientEdge, grad_output: torch.Tensor | None, inp,
+                   parameters: list[torch.Tensor]):
+    """B: return d loss / d `inp` (None without an input path) and the `WeightWork` W needs.
+
+    `output` is the stage's output or its GradientEdge; `grad_output` None for a scalar output.
+    """
+    if isinstance(output, torch.Tensor):
+        if output.grad_fn is None:
+            raise ValueError("the stage output has no graph to differentiate (does any input or weight require grad?)")
+        output = get_gradient_edge(output)
+    grad = grad_output
     trainable = [p for p in parameters if p.requires_grad]
     work = WeightWork(parameters=trainable)
-    if not (isinstance(inp, torch.Tensor) and inp.requires_grad) or output.grad_fn is None:
+    if not (isinstance(inp, torch.Tensor) and inp.requires_grad):
         work.whole = (output, grad)
         return None, work
     target = get_gradient_edge(inp).node
     weight_nodes = {get_gradient_edge(p).node: p for p in trainable}
-    nodes = _graph(output.grad_fn)
+    nodes = _graph(output.node)
     to_input, to_weights = {}, {}  # node -> reaches the input / the set of weights it reaches
     for node in reversed(nodes):  # children first
         children = [c for c, _ in node.next_functions if c is not None]
@@ -97,6 +116,7 @@ def backward_weight(work: WeightWork) -> None:
     """W: add d loss / d weights into each weight's `.grad`, from what B recorded."""
     if work.whole is not None:
         output, grad = work.whole
+        work.whole = None
         found = torch.autograd.grad(output, work.parameters, grad, allow_unused=True)
         _accumulate(work.parameters, found)
         return

@@ -112,9 +112,8 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(pl.ScheduleError, match="1B1"):
         pl.Pipeline(model, 2, 2, broken, nn.MSELoss())
     split_backward = pl.schedules.gpipe(2, 1)
-    for row in split_backward.actions:
-        row.append(pl.Action("W", row[0].stage, 0))
-    with pytest.raises(pl.PipelineError, match="splits the backward"):
+    split_backward.actions[0].append(pl.Action("W", 0, 0))  # a split backward needs a W for every B
+    with pytest.raises(pl.ScheduleError, match="missing action 1W0"):
         pl.Pipeline(model, 2, 1, split_backward, nn.MSELoss())
     pipe = pl.Pipeline(model, 2, 8, "1f1b", nn.MSELoss(), devices="cpu")
     with pytest.raises(ValueError, match="batch of 6 samples into 8"):

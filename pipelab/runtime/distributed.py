@@ -39,7 +39,7 @@ from ..trace import Event, Message, Trace, Wait
 from . import checkpoint
 from .clock import ActionClock
 from .clock_sync import estimate_offset
-from .local import StepResult, check_loss_fn, check_microbatch_count
+from .local import StepResult, check_loss_fn, check_microbatch_count, split_stages
 from .loop import StageWorker, producer, run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .p2p import PointToPointTransport
@@ -60,7 +60,9 @@ class DistributedPipeline:
             The blocks of other ranks' stages are moved to the "meta" device (freed); this
             rank's blocks stay and receive the gradients, under their names in `model`.
         n_microbatches: m.
-        schedule: "gpipe", "1f1b" or a `Schedule` whose number of devices is the group's size.
+        schedule: "gpipe", "1f1b", "zb-h1" or a `Schedule` whose number of devices is the group's size:
+            a rank may run several stages (interleaved 1F1B: `schedule.device_of_stage()`), and W
+            actions split the backward as in `pl.Pipeline`.
         loss_fn: loss(output, target) returning the mean over a micro-batch.
         device: None picks cuda:LOCAL_RANK with NCCL, else the CPU.
         group: the process group of the pipeline (default: the whole world).
@@ -114,8 +116,10 @@ class DistributedPipeline:
         self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
         for s, stage in enumerate(self.partition.stages):
             stage.to(self.device if s in self.stages else "meta")  # "meta": the other ranks' blocks are freed
+        split_at = split_stages(self.schedule)
         self.workers = {s: StageWorker(s, self.partition.stages[s], self.partition.bounds[s], self.n_stages, loss_fn,
-                                       self.checkpoint[s], self.device, rank=self.rank) for s in self.stages}
+                                       self.checkpoint[s], self.device, rank=self.rank, split_backward=s in split_at)
+                        for s in self.stages}
         self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
 
@@ -143,10 +147,7 @@ class DistributedPipeline:
         if schedule.n_microbatches != self.n_microbatches:
             raise PipelineError(f"the schedule is for {schedule.n_microbatches} micro-batches, but "
                                 f"n_microbatches={self.n_microbatches}")
-        validate(schedule)
-        if any(a.kind == "W" for a in schedule.all_actions()):
-            raise PipelineError("this schedule splits the backward into B and W; the engine runs whole backwards only")
-        return schedule
+        return validate(schedule)
 
     def _resolve_device(self, device) -> torch.device:
         if device is None:

@@ -64,6 +64,11 @@ def check_loss_fn(loss_fn) -> None:
         )
 
 
+def split_stages(schedule: Schedule) -> set[int]:
+    """The stages whose backward `schedule` splits into B and W (those with W actions)."""
+    return {a.stage for a in schedule.all_actions() if a.kind == "W"}
+
+
 def check_microbatch_count(n_microbatches) -> None:
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
@@ -75,7 +80,9 @@ class Pipeline:
     Args:
         model: an `nn.Sequential` of blocks (see `pl.models`); its parameters receive the gradients.
         n_stages, n_microbatches: p and m.
-        schedule: "gpipe", "1f1b" or a `Schedule` for the same p and m (validated).
+        schedule: "gpipe", "1f1b", "zb-h1" or a `Schedule` for the same p and m (validated).  A schedule
+            with W actions splits each backward: B computes the input gradient only, W the weight
+            gradients (`pipelab.split_backward`), and a micro-batch is held until its W.
         loss_fn: loss(output, target) returning the *mean* over a micro-batch.
         devices: "auto", "cpu", "cuda", a device name, or a list with one device per stage.
         split_method: "uniform", "params", "time" (needs `sample`) or a ready `Partition`.
@@ -104,8 +111,10 @@ class Pipeline:
         for stage, device in zip(self.partition.stages, self.devices):
             stage.to(device)
         self.parameters = [list(stage.parameters()) for stage in self.partition.stages]
+        split_at = split_stages(self.schedule)
         self.workers = {s: StageWorker(s, stage, self.partition.bounds[s], n_stages, loss_fn, self.checkpoint[s],
-                                       self.devices[s]) for s, stage in enumerate(self.partition.stages)}
+                                       self.devices[s], split_backward=s in split_at)
+                        for s, stage in enumerate(self.partition.stages)}
         self._warm = False
         self.order = run_dependencies(self.schedule, duration=lambda a: 1.0).time_order()
         device_of_stage = self.schedule.device_of_stage()
@@ -124,10 +133,7 @@ class Pipeline:
                 f"the schedule is for {schedule.n_stages} stages x {schedule.n_microbatches} micro-batches, "
                 f"but the pipeline has {self.n_stages} x {self.n_microbatches}"
             )
-        validate(schedule)
-        if any(a.kind == "W" for a in schedule.all_actions()):
-            raise PipelineError("this schedule splits the backward into B and W; the local engine runs whole backwards only")
-        return schedule
+        return validate(schedule)
 
     def step(self, inputs: Any, targets: Any) -> StepResult:
         """One training step: gradients of the mean loss over the batch are *added* to `.grad` (zero them first)."""

@@ -16,6 +16,11 @@ both call `run_actions`; they differ only in the transport: an in-process copy
 (`InProcessTransport`, below) or `torch.distributed` point-to-point (`runtime/p2p.py`).
 `StageWorker.compute` is the per-stage work of `runtime/stage.py` (forward, backward,
 checkpointing, loss weighting n_i / N, saved-bytes counting), the same in both engines.
+
+When the schedule splits the backward (W actions: zero bubble), a stage's B computes only
+its input's gradient (what the previous stage waits for) and keeps the micro-batch; its W
+computes the weight gradients and lets the micro-batch go (`stage.backward_input` /
+`stage.backward_weight`, exact: no gradient is computed twice).
 """
 
 from __future__ import annotations
@@ -59,9 +64,10 @@ class StageWorker:
     """One stage's modules and what it keeps during a step; `compute` does one action's work."""
 
     def __init__(self, index: int, module: nn.Module, bounds: tuple[int, int], n_stages: int, loss_fn: Callable,
-                 checkpoint: bool, device: torch.device, rank: int | None = None):
+                 checkpoint: bool, device: torch.device, rank: int | None = None, split_backward: bool = False):
         self.index, self.module, self.bounds, self.n_stages = index, module, bounds, n_stages
         self.loss_fn, self.checkpoint, self.device, self.rank = loss_fn, checkpoint, device, rank
+        self.split_backward = split_backward  # the schedule has W actions: B input gradient only, W the weights
         self.parameters = list(module.parameters())
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.free_outputs = True  # keep only the output's GradientEdge after F (stage.release_output)
@@ -72,8 +78,8 @@ class StageWorker:
         """Take this step's micro-batches (used by the first stage) and targets (by the last)."""
         self.inputs, self.targets, self.weights = input_chunks, target_chunks, weights
         self.observer = observer
-        self.kept: dict[int, stage_ops.InFlight] = {}
-        self.saved_bytes: dict[int, int] = {}  # mb -> bytes held from F to B
+        self.kept: dict[int, stage_ops.InFlight] = {}  # mb -> what it holds from F to B (to W if split)
+        self.saved_bytes: dict[int, int] = {}  # mb -> bytes held from F to B (to W if split)
         self.recomputed_bytes: dict[int, int] = {}  # mb -> bytes held during B only (checkpointed)
         self.losses: dict[int, torch.Tensor] = {}  # mb -> unweighted loss (last stage)
 
@@ -111,17 +117,30 @@ class StageWorker:
                 return None
             return sent
         if action.kind == "B":
-            flight = self.kept.pop(i)
             if keep is not None:
                 keep(message, "received")
-            gradient = stage_ops.backward(flight, message)
+            if self.split_backward:  # keep the micro-batch for its W
+                flight = self.kept[i]
+                gradient = stage_ops.backward_input(flight, message, self.parameters)
+                if keep is not None:
+                    for recorded in flight.weight_work.recorded_gradients():
+                        keep(recorded, "gradient")  # held until W
+            else:
+                flight = self.kept.pop(i)
+                gradient = stage_ops.backward(flight, message)
             self.recomputed_bytes[i] = flight.recomputed_bytes
             if self.is_first:
                 return None
             if keep is not None:
                 keep(gradient, "gradient")
             return gradient
-        raise PipelineError(f"{action.describe()}: this engine runs F and B actions, not {action.kind!r}")
+        if action.kind == "W" and self.split_backward:
+            stage_ops.backward_weight(self.kept.pop(i))
+            return None
+        if action.kind == "W":
+            raise PipelineError(f"{action.describe()}: stage {self.index} runs whole backwards (its schedule "
+                                "has no W actions for it), so there is no weight-gradient half left to run")
+        raise PipelineError(f"{action.describe()}: this engine runs F, B and W actions, not {action.kind!r}")
 
     def explain(self, action: Action, arrived: Any, error: Exception) -> str:
         """Where it failed (stage, blocks, action, rank) and the original message, plus a hint when the

@@ -19,6 +19,10 @@ storage is freed (Megatron-LM's `deallocate_output_tensor` does this by shrinkin
 `output.data`; a `GradientEdge` does it with public API and no aliasing risk).  The
 backward then starts from the edge: the same graph, the same gradients.
 
+A split backward (zero-bubble schedules, `pipelab.split_backward`): `backward_input` (B)
+computes only the input's gradient and keeps the graph with what W needs; `backward_weight`
+(W) then adds the weight gradients.  A micro-batch is held from its F to its W.
+
 Activation checkpointing (Chen et al. 2016, "Training deep nets with sublinear memory
 cost"): the forward runs without building a graph and keeps only the stage's input; the
 backward first runs the forward again (with the random state of the first run), then
@@ -34,6 +38,8 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .. import split_backward
+
 
 @dataclass
 class InFlight:
@@ -47,6 +53,7 @@ class InFlight:
     recomputed_bytes: int = 0  # bytes the recomputation saved during the backward
     sent: torch.Tensor | None = None  # the activation for the next stage (no graph attached)
     edge: Any = None  # the output's GradientEdge once `release_output` dropped the output
+    weight_work: split_backward.WeightWork | None = None  # a split backward: what B leaves for W
 
 
 class SavedBytesCounter:
@@ -66,7 +73,10 @@ class SavedBytesCounter:
                 self.bytes += plain.untyped_storage().nbytes()
                 if self.keep is not None:
                     self.keep(plain)
-        return tensor
+        # detached: the saved object must not hold the tensor itself, else a node that saves its own output
+        # (softmax, exp) and that output hold each other, and a graph kept past its backward (retain_graph,
+        # a split backward's B) is never freed (torch.autograd.graph.saved_tensors_hooks, warning)
+        return tensor.detach()
 
     def hooks(self):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
@@ -179,3 +189,24 @@ def backward(kept: InFlight, grad_output: torch.Tensor | None) -> torch.Tensor |
     if isinstance(inp, torch.Tensor) and inp.requires_grad:
         return inp.grad
     return None
+
+
+def backward_input(kept: InFlight, grad_output: torch.Tensor | None, parameters: list[torch.Tensor]) -> torch.Tensor | None:
+    """B of a split backward: return the input's gradient (None on a stage whose input needs none) and keep
+    in `kept.weight_work` what W needs (the graph stays; the output's values are dropped).  A checkpointed
+    stage recomputes its forward first, as `backward` does."""
+    if kept.recompute is not None:
+        kept.output, kept.recomputed_bytes = kept.recompute()
+        kept.recompute = None
+    root = kept.output if kept.output is not None else kept.edge
+    grad_input, kept.weight_work = split_backward.backward_input(root, grad_output, kept.input, parameters)
+    kept.output = kept.edge = None  # the work holds the graph from the output's edge
+    return grad_input
+
+
+def backward_weight(kept: InFlight) -> None:
+    """W of a split backward: add the weight gradients B left to compute into the parameters' `.grad`."""
+    if kept.weight_work is None:
+        raise RuntimeError("W before its B: no input-gradient half has run for this micro-batch")
+    split_backward.backward_weight(kept.weight_work)
+    kept.weight_work = None
