@@ -1,0 +1,80 @@
+"""Interleaved 1F1B (several stages per rank) and zero bubble (W actions) on the distributed engine (gloo).
+
+Reference: the plain single-device step in the test process (plain autograd), as in
+tests/test_distributed.py; and the local engine's counted memory for the same schedule (the
+counted rule depends only on each device's order of actions, not on their timing).  One
+launch per rank count runs every case: starting the ranks costs seconds.
+"""
+
+import pytest
+import torch
+
+import pipelab as pl
+from distributed_cases import BATCH, make_model
+from pipelab import schedules
+
+import distributed_beyond_cases as cases
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CASES = {
+    2: [("mlp", schedules.interleaved_1f1b(2, 4, 2), "never"),
+        ("gpt", schedules.interleaved_1f1b(2, 2, 4), "except_last"),
+        ("mlp", schedules.zero_bubble_h1(2, 3), "always"),
+        ("gpt", schedules.zero_bubble_h1(2, 4), "never"),
+        ("gpt", schedules.torch_schedule("ZBVZeroBubble", 2, 4), "never")],
+    4: [("mlp", schedules.interleaved_1f1b(4, 8, 2), "never"),
+        ("gpt", schedules.interleaved_1f1b(4, 4, 2), "always"),
+        ("mlp", schedules.zero_bubble_h1(4, 5), "except_last"),
+        ("gpt", schedules.zero_bubble_h1(4, 8), "never"),
+        ("mlp", schedules.torch_schedule("InterleavedZeroBubble", 4, 8, n_chunks=2), "never")],
+}
+
+
+def reference(kind):
+    model = make_model(kind)
+    x, y = pl.models.sample_batch(model, BATCH, seed=2)
+    loss = pl.models.default_loss(model)(model(x), y)
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def local_counted_peaks(kind, schedule, checkpoint):
+    model = make_model(kind)
+    x, y = pl.models.sample_batch(model, BATCH, seed=2)
+    pipe = pl.Pipeline(model, schedule.n_stages, schedule.n_microbatches, schedule, pl.models.default_loss(model),
+                       devices="cpu", checkpoint=checkpoint)
+    return pipe.step(x, y).trace.peak_memory
+
+
+@pytest.mark.parametrize("n_ranks", sorted(CASES))
+def test_interleaved_and_zero_bubble_equal_the_single_device_step(n_ranks):
+    grid = CASES[n_ranks]
+    per_rank = pl.distributed.launch(cases.run_cases, n_ranks, grid, timeout_seconds=240)
+    references = {kind: reference(kind) for kind in ("mlp", "gpt")}
+    for k, (kind, schedule, checkpoint) in enumerate(grid):
+        where = f"{kind} {schedule.name} on {n_ranks} ranks, checkpoint={checkpoint}"
+        ref_loss, ref_grads = references[kind]
+        seen = [rank[k] for rank in per_rank]
+        device_of_stage = schedule.device_of_stage()
+        owners = {}
+        for rank, found in enumerate(seen):
+            torch.testing.assert_close(torch.tensor(found["loss"], dtype=ref_loss.dtype), ref_loss, **TOLERANCE,
+                                       msg=lambda e: f"{where}: loss\n{e}")
+            assert found["stages"] == sorted(s for s, d in device_of_stage.items() if d == rank), where
+            for name, grad in found["grads"].items():
+                assert name not in owners, f"{where}: {name} has a gradient on ranks {owners[name]} and {rank}"
+                owners[name] = rank
+                torch.testing.assert_close(grad, ref_grads[name], **TOLERANCE, msg=lambda e: f"{where} {name}: {e}")
+        assert set(owners) == set(ref_grads), f"{where}: parameters without a gradient"
+        trace = seen[0]["trace"]
+        assert trace.source == "measured" and trace.n_devices == n_ranks and trace.n_stages == schedule.n_stages
+        for device, row in enumerate(schedule.actions):  # each rank ran its own list, in order
+            events = sorted((e for e in trace.events if e.device == device), key=lambda e: e.start)
+            assert [e.action for e in events] == row, where
+        # messages: only between stages on different ranks (interleaved: 2 m (p v - 1), Megatron SC21)
+        assert len(trace.messages) == schedule.message_count(), where
+        assert trace.peak_memory == local_counted_peaks(kind, schedule, checkpoint), where
+        for device in range(n_ranks):
+            assert trace.memory_curve(device, "observed")[1][-1] == 0, f"{where}: device {device} kept memory"
