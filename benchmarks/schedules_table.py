@@ -1,6 +1,6 @@
 """Every schedule at p = 4, m = 8 on the MLP: bubble and peak activations, formula / simulated / measured.
 
-    python benchmarks/schedules_table.py [--steps 5]
+    python benchmarks/schedules_table.py [--steps 5] [--local-only]
 
 Table 1, pipelab's schedules on `pl.models.mlp(depth=8, width=512)`, 64 samples per
 micro-batch, 4 devices (interleaved: 8 stages of one block, two per device):
@@ -10,13 +10,19 @@ micro-batch, 4 devices (interleaved: 8 stages of one block, two per device):
   (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v m + p - 1) interleaved (Megatron SC21),
   (p-1)(T_F+T_B-T_W) / (m (T_F+T_B+T_W) + (p-1)(T_F+T_B-T_W)) for ZB-H1 (Zero Bubble PP,
   Table 2); simulated: `pl.simulate` at those costs (a consistency check of the simulator
-  against the formula); measured: the local engine on the CPU, each action really run and
+  against the formula); local (measured): the local engine on the CPU, each action run and
   timed, each action's median over --steps steps replayed on one clock per device.
+  ZB-H1 runs its W actions: B computes the input gradient only, W the weight gradients.
+  distrib. (measured; left out with --local-only): the distributed engine on 4 gloo ranks,
+  one process per device, the wall clock of each rank; the bubble is the median over --steps steps of the
+  measured trace's.  With fewer CPU cores than ranks (the header says how many) the ranks
+  share cores and every wait for a core counts as bubble: read it as this machine's figure.
 - peak activations on the fullest device, in units of M_B, one micro-batch through one
   whole stage: formula m (GPipe), p (1F1B, ZB-H1, PipeDream), (v p + p - 1)/v
   (interleaved, device 0); simulated with 1 unit per stage micro-batch (1/v per chunk);
-  measured: the engine's counted bytes (saved-tensor hooks), divided by the counted bytes
-  of one micro-batch through one stage (`Costs.from_profile`).
+  local: the engine's counted bytes (saved-tensor hooks; a split stage holds a
+  micro-batch until its W), divided by the counted bytes of one micro-batch through one
+  stage (`Costs.from_profile`); distrib.: the distributed engine's, counted the same way.
 - PipeDream (asynchronous) is drawn for one run of m micro-batches: its table is 1F1B's,
   and its bubble is paid once per run instead of once per optimizer step.
 
@@ -29,6 +35,7 @@ the reason.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 
 import torch
@@ -63,6 +70,29 @@ def build(name: str, p: int, m: int, v: int) -> tuple[pl.Schedule, pl.Costs]:
     return schedules.by_name(name, p, m), pl.Costs(T_F, T_B, memory_bytes=1.0)
 
 
+def model_and_batch():
+    model = pl.models.mlp(depth=8, width=WIDTH, seed=0)
+    return model, pl.models.sample_batch(model, M * SAMPLES_PER_MICROBATCH)
+
+
+def distributed_steps(schedules_to_run: list[pl.Schedule], steps: int) -> list[tuple[float, float]]:
+    """On every rank (pl.distributed.launch): `steps` steps of each schedule after one warm-up step;
+    (median measured bubble, counted peak bytes on the fullest device) per schedule."""
+    found = []
+    for schedule in schedules_to_run:
+        model, (x, y) = model_and_batch()
+        pipe = pl.DistributedPipeline(model, M, schedule, torch.nn.MSELoss())
+        pipe.step(x, y)
+        bubbles, peak = [], 0
+        for _ in range(steps):
+            model.zero_grad(set_to_none=True)
+            trace = pipe.step(x, y).trace
+            bubbles.append(trace.bubble_fraction)
+            peak = max(trace.peak_memory)
+        found.append((statistics.median(bubbles), peak))
+    return found
+
+
 def measure(schedule: pl.Schedule, x, y, steps: int, unit_bytes: float) -> tuple[float, float] | str:
     """(bubble, peak in M_B) on the local engine, or why it cannot run.
 
@@ -83,28 +113,40 @@ def measure(schedule: pl.Schedule, x, y, steps: int, unit_bytes: float) -> tuple
     return pl.simulate(schedule, medians).bubble_fraction, max(traces[-1].peak_memory) / unit_bytes
 
 
-def pipelab_table(steps: int) -> None:
-    model = pl.models.mlp(depth=8, width=WIDTH, seed=0)
-    x, y = pl.models.sample_batch(model, M * SAMPLES_PER_MICROBATCH)
+SCHEDULES = (("gpipe", "GPipe"), ("1f1b", "1F1B"), ("interleaved", f"interleaved 1F1B v={V}"),
+             ("zb-h1", "ZB-H1"), ("pipedream-async", "PipeDream (one run)"))
+
+
+def pipelab_table(steps: int, distributed: bool) -> None:
+    model, (x, y) = model_and_batch()
     parts = pl.split(model, P, "uniform")
     chunk = (x[:SAMPLES_PER_MICROBATCH], y[:SAMPLES_PER_MICROBATCH])
     unit_bytes = statistics.mean(pl.Costs.from_profile(model, parts, chunk, torch.nn.MSELoss()).memory_bytes)
+    built = {name: build(name, P, M, V) for name, _ in SCHEDULES}
+    on_ranks = {}
+    if distributed:
+        found = pl.distributed.launch(distributed_steps, P, [built[name][0] for name, _ in SCHEDULES], steps,
+                                      timeout_seconds=600)[0]
+        on_ranks = {name: (bubble, peak / unit_bytes) for (name, _), (bubble, peak) in zip(SCHEDULES, found)}
     print(f"Table 1: p = {P}, m = {M}, MLP 8 x {WIDTH}, {SAMPLES_PER_MICROBATCH} samples per micro-batch; "
-          f"M_B = {unit_bytes / 1024:.0f} KiB counted; measured = local engine on CPU, median per action of {steps} steps")
-    header = (f"{'schedule':<22} {'bubble: formula':>15} {'simulated':>10} {'measured':>9}   "
-              f"{'peak M_B: formula':>17} {'simulated':>10} {'measured':>9}")
+          f"M_B = {unit_bytes / 1024:.0f} KiB counted; local = local engine on CPU, median per action of {steps} "
+          f"steps, replayed" + (f"; distributed = {P} gloo ranks on {os.cpu_count()} CPU cores, wall clock, median "
+                                f"of {steps} steps" if distributed else ""))
+    extra = f" {'distrib.':>9}" if distributed else ""
+    header = (f"{'schedule':<22} {'bubble: formula':>15} {'simulated':>10} {'local':>9}{extra}   "
+              f"{'peak M_B: formula':>17} {'simulated':>10} {'local':>9}{extra}")
     print(header)
     print("-" * len(header))
-    for name, label in (("gpipe", "GPipe"), ("1f1b", "1F1B"), ("interleaved", f"interleaved 1F1B v={V}"),
-                        ("zb-h1", "ZB-H1"), ("pipedream-async", "PipeDream (one run)")):
+    for name, label in SCHEDULES:
         bubble, peak = formulas(name, P, M, V)
-        schedule, costs = build(name, P, M, V)
+        schedule, costs = built[name]
         trace = pl.simulate(schedule, costs)
         simulated_peak = max(trace.peak_memory) / (V if name == "interleaved" else 1)
         measured = measure(schedule, x, y, steps, unit_bytes)
         shown = (f"{measured[0]:9.3f}", f"{measured[1]:9.2f}") if isinstance(measured, tuple) else (measured, measured)
-        print(f"{label:<22} {bubble:15.3f} {trace.bubble_fraction:10.3f} {shown[0]:>9}   "
-              f"{peak:17.2f} {simulated_peak:10.2f} {shown[1]:>9}")
+        ranks = ((f" {on_ranks[name][0]:9.3f}", f" {on_ranks[name][1]:9.2f}") if distributed else ("", ""))
+        print(f"{label:<22} {bubble:15.3f} {trace.bubble_fraction:10.3f} {shown[0]:>9}{ranks[0]}   "
+              f"{peak:17.2f} {simulated_peak:10.2f} {shown[1]:>9}{ranks[1]}")
 
 
 TORCH_BESIDE = (("GPipe", 1, "gpipe"), ("1F1B", 1, "1f1b"), ("Interleaved1F1B", 2, "interleaved"),
@@ -138,8 +180,10 @@ def torch_table(p: int, m: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="measured steps per schedule (the median is shown)")
+    parser.add_argument("--local-only", action="store_true",
+                        help=f"leave out the distributed engine's column ({P} gloo ranks, about 10 s)")
     args = parser.parse_args()
-    pipelab_table(args.steps)
+    pipelab_table(args.steps, distributed=not args.local_only)
     for p, m in ((P, M), (8, 16)):
         torch_table(p, m)
 
