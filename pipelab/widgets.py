@@ -1,7 +1,10 @@
 """The explorer: drag the number of devices and micro-batches and watch the bubble change.
 
 The widget layer only wires controls to plain, tested functions: `explorer_view` (simulate
-+ formula) and `run_for_real` (the local engine on the CPU beside its prediction).
++ formula) and `run_for_real` (the local engine on the CPU beside its prediction).  Its
+schedule menu (`SCHEDULES`) holds GPipe, 1F1B, interleaved 1F1B (with a chunks slider v),
+ZB-H1 (with the share of the backward that is W) and asynchronous PipeDream (with the weight
+versions each stage holds).
 """
 
 from __future__ import annotations
@@ -12,14 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
+from .actions import Action, Schedule
 from .costs import Costs
 from .gc_pause import gc_paused
-from .schedules import GENERATORS, by_name
+from .pipedream import versions_in_flight, weight_versions
+from .schedules import by_name, interleaved_1f1b
 from .simulate import simulate
 from .throttle import Throttle
 from .trace import Trace
 
 REAL_RUN_LIMITS = {"n_devices": 8, "n_microbatches": 16}
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream-async")
+"""The explorer's schedule menu."""
 
 
 # Memory in the explorer is counted in units of one micro-batch's activations on one stage;
@@ -30,9 +38,12 @@ INPUT_SHARE = 0.125
 @dataclass
 class ExplorerView:
     trace: Trace
-    formula_bubble: float  # (p-1)/(m+p-1): GPipe §2.3, Megatron-LM SC21 §2.2.1 (no communication)
+    formula_bubble: float | None  # the schedule's closed form (no communication); None where it does not hold
     memory_budget: float | None = None  # per device, in micro-batch activation units
     inputs: tuple = ()  # explorer_view's arguments, the memory budget last: what the pictures depend on
+    formula_text: str = "(p-1)/(m+p-1)"  # GPipe §2.3, Megatron-LM SC21 §2.2.1
+    weight_versions: list[int] | None = None  # asynchronous PipeDream: versions each stage holds at most
+    last_versions: list[int] | None = None  # ... and the version each stage's F of the last micro-batch used
 
     @property
     def out_of_memory(self) -> list[int]:
@@ -47,9 +58,14 @@ class ExplorerView:
 
         t = self.trace
         peak = t.peak_memory[0] / UNIT
-        text = (f"{t.schedule_name}: p={t.n_stages}, m={t.n_microbatches} — simulated bubble "
-                f"{t.bubble_fraction:.1%}, formula (p-1)/(m+p-1) = {self.formula_bubble:.1%}; "
+        formula = (f"formula {self.formula_text} = {self.formula_bubble:.1%}" if self.formula_bubble is not None
+                   else f"formula {self.formula_text}")
+        text = (f"{t.schedule_name}: p={t.n_devices}, m={t.n_microbatches} — simulated bubble "
+                f"{t.bubble_fraction:.1%}, {formula}; "
                 f"peak activations on device 0: {peak:.3g} micro-batch{'' if peak == 1 else 'es'}")
+        if self.weight_versions is not None:
+            text += (f"; weight versions held per stage: {self.weight_versions} (p - s in the steady state), micro-batch "
+                     f"{t.n_microbatches - 1} ran with versions {self.last_versions} on stages 0..{t.n_stages - 1}")
         if self.out_of_memory:
             text += f" — OUT OF MEMORY on {devices_named(self.out_of_memory)}"
         return text
@@ -58,19 +74,67 @@ class ExplorerView:
 UNIT = 1000  # bytes standing for one micro-batch's activations on one stage
 
 
+def explorer_schedule(schedule: str, n_devices: int, n_microbatches: int, n_chunks: int = 2) -> Schedule:
+    """The menu's `schedule` for p devices and m micro-batches (interleaved: `n_chunks` per device)."""
+    if schedule == "interleaved-1f1b":
+        return interleaved_1f1b(n_devices, n_microbatches, n_chunks)
+    return by_name(schedule, n_devices, n_microbatches)
+
+
+def explorer_costs(schedule: str, backward_ratio: float, latency: float, n_chunks: int,
+                   weight_share: float) -> Costs:
+    """t_F = 1 and t_B = `backward_ratio` per stage; an interleaved chunk costs 1/v of that and keeps
+    1/v of a stage's activations (its input is a whole activation); ZB-H1's W is `weight_share` of t_B."""
+    if schedule == "interleaved-1f1b":
+        return Costs(forward=1.0 / n_chunks, backward=backward_ratio / n_chunks, latency=latency,
+                     memory_bytes=UNIT / n_chunks, input_bytes=min(INPUT_SHARE * UNIT, UNIT / n_chunks))
+    split = weight_share if schedule == "zb-h1" else 0.0
+    return Costs(forward=1.0, backward=backward_ratio * (1 - split), weight=backward_ratio * split, latency=latency,
+                 memory_bytes=UNIT, input_bytes=INPUT_SHARE * UNIT)
+
+
+def explorer_formula(schedule: str, p: int, m: int, costs: Costs, n_chunks: int) -> tuple[float | None, str]:
+    """(bubble fraction, its formula as text) at the costs, without communication.
+
+    GPipe, 1F1B, PipeDream's table: (p-1)/(m+p-1).  Interleaved: (p-1)/(v m + p - 1) (Megatron-LM
+    SC21 §2.2.2: (p-1)/(v m) of the ideal time).  ZB-H1: idle (p-1)(t_F+t_B-t_W) per stage against
+    the work m (t_F+t_B+t_W) (Zero Bubble PP, Table 2), for m >= p and t_W <= t_F, t_B only.
+    """
+    if schedule == "interleaved-1f1b":
+        return (p - 1) / (n_chunks * m + p - 1), "(p-1)/(vm+p-1)"
+    if schedule == "zb-h1":
+        t_f, t_b, t_w = costs.forward, costs.backward, costs.weight
+        if m < p or t_w > min(t_f, t_b):
+            return None, "(p-1)(t_F+t_B-t_W) / makespan holds only for m ≥ p and t_W ≤ t_F, t_B"
+        idle = (p - 1) * (t_f + t_b - t_w)
+        return idle / (m * (t_f + t_b + t_w) + idle), "(p-1)(t_F+t_B-t_W) / makespan"
+    return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+
+
 def explorer_view(n_devices: int, n_microbatches: int, schedule: str = "1f1b", backward_ratio: float = 2.0,
-                  latency: float = 0.0, checkpoint: str = "never", memory_budget: float | None = None) -> ExplorerView:
+                  latency: float = 0.0, checkpoint: str = "never", memory_budget: float | None = None,
+                  n_chunks: int = 2, weight_share: float = 0.5) -> ExplorerView:
     """Simulate one step with t_F = 1, t_B = `backward_ratio`, `latency` per message (in units of t_F).
 
     Memory: each micro-batch holds one unit of activations per stage (UNIT bytes), a stage
     input INPUT_SHARE of that; `memory_budget` (units per device, None or 0 = no budget)
-    flags the devices that would run out of memory.
+    flags the devices that would run out of memory.  "interleaved-1f1b" cuts the model into
+    `n_chunks` chunks per device (m must be a multiple of p: a ValueError says which m works);
+    "zb-h1" splits the backward into B and W, W taking `weight_share` of t_B; "pipedream-async"
+    adds the weight versions of PipeDream's stashing (`pl.pipedream`).
     """
-    trace = simulate(by_name(schedule, n_devices, n_microbatches),
-                     Costs(forward=1.0, backward=backward_ratio, latency=latency, memory_bytes=UNIT,
-                           input_bytes=INPUT_SHARE * UNIT), checkpoint=checkpoint)
-    inputs = (n_devices, n_microbatches, schedule, backward_ratio, latency, checkpoint, memory_budget or None)
-    return ExplorerView(trace, (n_devices - 1) / (n_microbatches + n_devices - 1), memory_budget, inputs)
+    table = explorer_schedule(schedule, n_devices, n_microbatches, n_chunks)
+    costs = explorer_costs(schedule, backward_ratio, latency, n_chunks, weight_share)
+    trace = simulate(table, costs, checkpoint=checkpoint)
+    formula, formula_text = explorer_formula(schedule, n_devices, n_microbatches, costs, n_chunks)
+    shaping = {"interleaved-1f1b": n_chunks, "zb-h1": weight_share}.get(schedule)  # what only that schedule reads
+    inputs = (n_devices, n_microbatches, schedule, backward_ratio, latency, checkpoint, shaping, memory_budget or None)
+    view = ExplorerView(trace, formula, memory_budget, inputs, formula_text)
+    if table.meta.get("asynchronous"):
+        used = weight_versions(table)
+        view.weight_versions = versions_in_flight(table)
+        view.last_versions = [used[Action("F", s, n_microbatches - 1)] for s in range(table.n_stages)]
+    return view
 
 
 def explorer_figures(view: ExplorerView):
@@ -265,25 +329,39 @@ def _png(fig) -> bytes:
 
 
 def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", width: int = 256,
-                 samples_per_microbatch: int = 16, seed: int = 0) -> tuple[Trace, Trace]:
+                 samples_per_microbatch: int = 16, seed: int = 0, n_chunks: int = 2,
+                 weight_share: float = 0.5) -> tuple[Trace, Trace]:
     """Run the MLP for real on the CPU and predict the same step from profiled costs.
 
     Returns (predicted, measured).  Kept small (p <= 8, m <= 16) so it answers in seconds.
+    Interleaved: p·`n_chunks` stages of the MLP on p devices.  ZB-H1 runs its W actions; the
+    profile measures whole backwards, so the prediction gives W `weight_share` of each.
+    Asynchronous PipeDream is not a step the engine runs (weights change between micro-batches:
+    `pl.pipedream_run.train_async` trains with it): a ValueError says so.
     """
+    import dataclasses
+
     import pipelab as pl
 
     if n_devices > REAL_RUN_LIMITS["n_devices"] or n_microbatches > REAL_RUN_LIMITS["n_microbatches"]:
         raise ValueError(f"a real run on the CPU is limited to p <= {REAL_RUN_LIMITS['n_devices']} and "
                          f"m <= {REAL_RUN_LIMITS['n_microbatches']}; the simulator has no limit")
-    model = pl.models.mlp(depth=max(8, n_devices), width=width, seed=seed)
+    if schedule == "pipedream-async":
+        raise ValueError("asynchronous PipeDream updates the weights between micro-batches, so it is a training "
+                         "run, not one step: pl.pipedream_run.train_async runs it (lesson 10)")
+    table = explorer_schedule(schedule, n_devices, n_microbatches, n_chunks)
+    model = pl.models.mlp(depth=max(8, table.n_stages), width=width, seed=seed)
     inputs, targets = pl.models.sample_batch(model, n_microbatches * samples_per_microbatch, seed=seed)
     loss_fn = torch.nn.MSELoss()
-    pipe = pl.Pipeline(model, n_devices, n_microbatches, schedule, loss_fn, devices="cpu")
+    pipe = pl.Pipeline(model, table.n_stages, n_microbatches, table, loss_fn, devices="cpu")
     pipe.step(inputs, targets)  # warm-up
     model.zero_grad(set_to_none=True)
     measured = pipe.step(inputs, targets).trace
     one_microbatch = (inputs[:samples_per_microbatch], targets[:samples_per_microbatch])
     costs = Costs.from_profile(model, pipe.partition, one_microbatch, loss_fn, repeats=3)
+    if any(a.kind == "W" for a in table.all_actions()):
+        costs = dataclasses.replace(costs, backward=[b * (1 - weight_share) for b in costs.backward],
+                                    weight=[b * weight_share for b in costs.backward])
     return simulate(pipe.schedule, costs), measured
 
 
@@ -313,10 +391,13 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
     """The interactive dashboard (JupyterLab): sliders, the timeline, the bubble against the formula.
 
     Returns an `ipywidgets.VBox`; `box.controls` holds the controls (devices, micro-batches,
-    schedule, t_B/t_F, latency, checkpoint, memory budget in micro-batch units, 0 = none),
+    schedule, t_B/t_F, latency, checkpoint, memory budget in micro-batch units, 0 = none,
+    chunks per device v for interleaved 1F1B, the share of the backward that is W for ZB-H1;
+    each of the last two is disabled while another schedule is chosen),
     `box.view` the `ExplorerView` of their current values (simulated when first read after a
     change: a drag sends many values and only the drawn ones need one), `box.real` the latest
-    (predicted, measured) pair of a real run and `box.real_for` its (p, m, schedule): the
+    (predicted, measured) pair of a real run and `box.real_for` its (p, m, schedule; with v or
+    the W share for the schedules that read them): the
     comparison is hidden, and said to be out of date, while the sliders show other values.
     The summary and pictures are redrawn through `box.pictures`, a `Throttle`: a drag shows
     a picture every redraw (+ 40 ms) and always ends on the last values.
@@ -329,20 +410,24 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
     controls = {
         "n_devices": w.IntSlider(value=n_devices, min=1, max=16, description="devices p", **labelled),
         "n_microbatches": w.IntSlider(value=n_microbatches, min=1, max=64, description="micro-batches m", **labelled),
-        "schedule": w.Dropdown(options=sorted(GENERATORS), value=schedule, description="schedule", **labelled),
+        "schedule": w.Dropdown(options=list(SCHEDULES), value=schedule, description="schedule", **labelled),
         "backward_ratio": w.FloatSlider(value=2.0, min=0.5, max=4.0, step=0.25, description="t_B / t_F", **labelled),
         "latency": w.FloatSlider(value=0.0, min=0.0, max=2.0, step=0.1, description="latency / t_F", **labelled),
         "checkpoint": w.Dropdown(options=["never", "always", "except_last"], value="never",
                                  description="checkpointing", **labelled),
         "memory_budget": w.FloatSlider(value=0.0, min=0.0, max=64.0, step=0.5,
                                        description="budget (micro-batches)", **labelled),
+        "n_chunks": w.IntSlider(value=2, min=1, max=4, description="interleaved chunks v", **labelled),
+        "weight_share": w.FloatSlider(value=0.5, min=0.0, max=0.9, step=0.05,
+                                      description="t_W share of the backward (zb-h1)", **labelled),
     }
     button = w.Button(description="run it for real (CPU)", icon="play", layout=w.Layout(width="auto"))
     summary, real_message = w.HTML(), w.HTML()
     timeline_image, memory_image, real_image = (w.Image(format="png") for _ in range(3))
     box = _explorer_box()([w.HBox([controls["n_devices"], controls["n_microbatches"], controls["schedule"]]),
                            w.HBox([controls["backward_ratio"], controls["latency"], button]),
-                           w.HBox([controls["checkpoint"], controls["memory_budget"]]),
+                           w.VBox([w.HBox([controls["checkpoint"], controls["memory_budget"]]),
+                                   w.HBox([controls["n_chunks"], controls["weight_share"]])]),
                            summary, timeline_image, memory_image, real_message, real_image])
     box.controls, box.real, box.real_for = controls, None, None
     real_image.layout.display = "none"  # until there is a real run to show
@@ -350,9 +435,17 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
 
     def pictures():
         try:
-            summary.value = f"<b>{html.escape(box.view.summary)}</b>"
-            for image, png in zip((timeline_image, memory_image), explorer_pictures(box.view, panels)):
+            view = box.view
+        except ValueError as error:  # values no schedule fits (interleaving with m not a multiple of p)
+            summary.value = f"<b>{html.escape(str(error))}</b>"
+            for image in (timeline_image, memory_image):
+                image.layout.display = "none"  # pictures of other values would pass for these
+            return
+        try:
+            summary.value = f"<b>{html.escape(view.summary)}</b>"
+            for image, png in zip((timeline_image, memory_image), explorer_pictures(view, panels)):
                 image.value = png  # a picture of our own: no dependence on the notebook's plot backend
+                image.layout.display = None
         except Exception as error:  # a booked draw runs outside any cell: say what went wrong here
             summary.value = f"<b>could not draw the pictures: {html.escape(repr(error))}</b>"
             raise
@@ -361,14 +454,26 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
 
     def update(_=None):  # cheap: a drag sends many values; the throttled draw simulates the latest
         box.forget_view()
+        chosen = controls["schedule"].value  # the sliders only one schedule reads
+        controls["n_chunks"].disabled = chosen != "interleaved-1f1b"
+        controls["weight_share"].disabled = chosen != "zb-h1"
         show_real_run()
         box.pictures()
+
+    def real_key() -> tuple:
+        """(p, m, schedule) of the sliders, the schedule with what else a real run of it depends on."""
+        schedule = controls["schedule"].value
+        if schedule == "interleaved-1f1b":
+            schedule += f" (v={controls['n_chunks'].value})"
+        elif schedule == "zb-h1":
+            schedule += f" (t_W share {controls['weight_share'].value:g})"
+        return controls["n_devices"].value, controls["n_microbatches"].value, schedule
 
     def show_real_run():
         if box.real_for is None:
             return
         p, m, schedule = box.real_for
-        current = (controls["n_devices"].value, controls["n_microbatches"].value, controls["schedule"].value)
+        current = real_key()
         if current == box.real_for:
             real_message.value = f"<b>run for real, {schedule}, p={p}, m={m}: predicted (above) and measured (below), one time axis</b>"
             real_image.layout.display = None
@@ -379,14 +484,15 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
 
     def real(_=None):
         real_message.value = "<i>running the engine on the CPU…</i>"
-        p, m, schedule = (controls["n_devices"].value, controls["n_microbatches"].value, controls["schedule"].value)
+        key = real_key()
         try:
-            box.real = run_for_real(p, m, schedule)
+            box.real = run_for_real(key[0], key[1], controls["schedule"].value, n_chunks=controls["n_chunks"].value,
+                                    weight_share=controls["weight_share"].value)
         except ValueError as error:
             real_message.value = f"<b>{html.escape(str(error))}</b>"
             real_image.layout.display = "none"
             return
-        box.real_for = (p, m, schedule)
+        box.real_for = key
         real_image.value = _png(plot.compare(*box.real))
         show_real_run()
 
