@@ -30,12 +30,19 @@ def bottleneck(costs, bounds) -> float:
 
 def best_bottleneck(costs, n_stages) -> tuple[float, list[tuple[int, int]]]:
     """Brute force over all C(n - 1, n_stages - 1) placements of the cuts."""
+    return best_bottlenecks(costs)[n_stages]
+
+
+def best_bottlenecks(costs) -> dict[int, tuple[float, list[tuple[int, int]]]]:
+    """n_stages -> (the smallest bottleneck, a split reaching it), for every n_stages at
+    once: brute force over all 2^(n - 1) sets of cuts."""
     n_layers = len(costs)
-    best = (float("inf"), [])
-    for cuts in itertools.combinations(range(1, n_layers), n_stages - 1):
-        edges = (0, *cuts, n_layers)
-        bounds = list(zip(edges[:-1], edges[1:]))
-        best = min(best, (bottleneck(costs, bounds), bounds))
+    best = {}
+    for n_cuts in range(n_layers):
+        for cuts in itertools.combinations(range(1, n_layers), n_cuts):
+            edges = (0, *cuts, n_layers)
+            bounds = list(zip(edges[:-1], edges[1:]))
+            best[n_cuts + 1] = min(best.get(n_cuts + 1, (float("inf"), [])), (bottleneck(costs, bounds), bounds))
     return best
 
 
@@ -60,13 +67,14 @@ def assert_valid_partition(bounds, n_layers, n_stages, call):
     assert ends[-1] == n_layers, f"{VALID}\n{call} returned {bounds}, which does not end at {n_layers}"
 
 
-def assert_optimal(balanced_bounds, costs, n_stages):
+def assert_optimal(balanced_bounds, costs, n_stages, best=None):
+    """``best``: best_bottleneck(costs, n_stages), if it is known already."""
     call = f"balanced_bounds({costs!r}, {n_stages})"
     before = picture(costs)
     bounds = balanced_bounds(costs, n_stages)
     assert_unchanged(before, costs, "costs", call)
     assert_valid_partition(bounds, len(costs), n_stages, call)
-    best, best_bounds = best_bottleneck(costs, n_stages)
+    best, best_bounds = best or best_bottleneck(costs, n_stages)
     assert bottleneck(costs, bounds) == pytest.approx(best), (
         f"{OPTIMAL}\n{call} returned {bounds}, whose slowest stage costs "
         f"{bottleneck(costs, bounds)}; {best_bounds} does better, with a slowest stage of {best}"
@@ -153,22 +161,17 @@ layer_costs = st.one_of(
 )
 
 
-@st.composite
-def costs_and_n_stages(draw):
-    costs = draw(layer_costs)
-    costs = tuple(costs) if draw(st.booleans()) else costs
-    return costs, draw(st.integers(1, len(costs)))
-
-
 @settings(max_examples=150, deadline=None)
-@example(([1] * 8, 3))  # equal costs, remainder 2
-@example(([0.5] * 9, 4))
-@example(([0, 0, 0, 0], 2))
-@example(([3, 18, 10, 7], 3))
-@example(((4, 1, 1, 1, 1), 2))  # a heavy first layer, costs in a tuple
-@example(([2, 1, 1, 6], 2))  # a heavy last layer: a last stage of one layer
-@example(([0.1] * 10, 3))  # sums that floats round
-@given(costs_and_n_stages())
-def test_bottleneck_is_the_smallest_possible(impl, case):
-    costs, n_stages = case
-    assert_optimal(impl("partition").balanced_bounds, costs, n_stages)
+@example([1] * 8)  # equal costs: a remainder of 2 on 3 stages
+@example([0.5] * 9)
+@example([0, 0, 0, 0])
+@example([3, 18, 10, 7])
+@example((4, 1, 1, 1, 1))  # a heavy first layer, costs in a tuple
+@example([2, 1, 1, 6])  # a heavy last layer: a last stage of one layer
+@example([0.1] * 10)  # sums that floats round
+@given(layer_costs.flatmap(lambda costs: st.sampled_from([costs, tuple(costs)])))
+def test_bottleneck_is_the_smallest_possible(impl, costs):
+    # Every number of stages, 1 .. len(costs), for each drawn list of costs.
+    balanced_bounds = impl("partition").balanced_bounds
+    for n_stages, best in best_bottlenecks(costs).items():
+        assert_optimal(balanced_bounds, costs, n_stages, best)
