@@ -336,8 +336,8 @@ def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", wi
     Returns (predicted, measured).  Kept small (p <= 8, m <= 16) so it answers in seconds.
     Interleaved: p·`n_chunks` stages of the MLP on p devices.  ZB-H1 runs its W actions; the
     profile measures whole backwards, so the prediction gives W `weight_share` of each.
-    Asynchronous PipeDream is not a step the engine runs (weights change between micro-batches:
-    `pl.pipedream_run.train_async` trains with it): a ValueError says so.
+    Asynchronous PipeDream runs as one PipeDream run of m minibatches (plain SGD per stage, its
+    update inside each B, which the profile does not time).
     """
     import dataclasses
 
@@ -346,14 +346,12 @@ def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", wi
     if n_devices > REAL_RUN_LIMITS["n_devices"] or n_microbatches > REAL_RUN_LIMITS["n_microbatches"]:
         raise ValueError(f"a real run on the CPU is limited to p <= {REAL_RUN_LIMITS['n_devices']} and "
                          f"m <= {REAL_RUN_LIMITS['n_microbatches']}; the simulator has no limit")
-    if schedule == "pipedream-async":
-        raise ValueError("asynchronous PipeDream updates the weights between micro-batches, so it is a training "
-                         "run, not one step: pl.pipedream_run.train_async runs it (lesson 10)")
     table = explorer_schedule(schedule, n_devices, n_microbatches, n_chunks)
     model = pl.models.mlp(depth=max(8, table.n_stages), width=width, seed=seed)
     inputs, targets = pl.models.sample_batch(model, n_microbatches * samples_per_microbatch, seed=seed)
     loss_fn = torch.nn.MSELoss()
-    pipe = pl.Pipeline(model, table.n_stages, n_microbatches, table, loss_fn, devices="cpu")
+    optimizer = (lambda params: torch.optim.SGD(params, lr=0.01)) if table.meta.get("asynchronous") else None
+    pipe = pl.Pipeline(model, table.n_stages, n_microbatches, table, loss_fn, devices="cpu", optimizer=optimizer)
     pipe.step(inputs, targets)  # warm-up
     model.zero_grad(set_to_none=True)
     measured = pipe.step(inputs, targets).trace

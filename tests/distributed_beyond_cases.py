@@ -2,22 +2,33 @@
 
 from __future__ import annotations
 
+import torch
+
 import pipelab as pl
 from distributed_cases import BATCH, make_model
 
 
+def momentum_sgd(params):
+    """Each stage's own optimizer in the asynchronous (PipeDream) cases: stateful, so every update counts."""
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
 def run_cases(cases: list[tuple]) -> list[dict]:
-    """On every rank: one step per case (model kind, schedule, checkpoint); what this rank saw."""
+    """On every rank: one step per case (model kind, schedule, checkpoint); what this rank saw.  An
+    asynchronous schedule is one PipeDream run (each micro-batch a minibatch, `momentum_sgd` per stage)."""
     found = []
     for kind, schedule, checkpoint in cases:
         model = make_model(kind)
         x, y = pl.models.sample_batch(model, BATCH, seed=2)
+        asynchronous = schedule.meta.get("asynchronous", False)
         pipe = pl.DistributedPipeline(model, schedule.n_microbatches, schedule, pl.models.default_loss(model),
-                                      checkpoint=checkpoint)
+                                      checkpoint=checkpoint, optimizer=momentum_sgd if asynchronous else None)
         result = pipe.step(x, y)
         found.append({
             "loss": result.loss,
+            "losses": result.microbatch_losses,
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"},
             "stages": pipe.stages,
             "trace": result.trace,
         })

@@ -1,9 +1,12 @@
-"""Interleaved 1F1B (several stages per rank) and zero bubble (W actions) on the distributed engine (gloo).
+"""Interleaved 1F1B (several stages per rank), zero bubble (W actions) and asynchronous PipeDream on the
+distributed engine (gloo).
 
 Reference: the plain single-device step in the test process (plain autograd), as in
 tests/test_distributed.py; and the local engine's counted memory for the same schedule (the
-counted rule depends only on each device's order of actions, not on their timing).  One
-launch per rank count runs every case: starting the ranks costs seconds.
+counted rule depends only on each device's order of actions, not on their timing).
+PipeDream: the sequential stale-weight reference of tests/test_pipedream_run.py, over the
+run's (uneven) minibatches.  One launch per rank count runs every case: starting the ranks
+costs seconds.
 """
 
 import pytest
@@ -14,6 +17,7 @@ from distributed_cases import BATCH, make_model
 from pipelab import schedules
 
 import distributed_beyond_cases as cases
+from test_pipedream_run import sequential_reference
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -30,6 +34,9 @@ CASES = {
         ("gpt", schedules.zero_bubble_h1(4, 8), "never"),
         ("mlp", schedules.torch_schedule("InterleavedZeroBubble", 4, 8, n_chunks=2), "never")],
 }
+ASYNCHRONOUS = {2: [("mlp", schedules.pipedream_async(2, 5), "never")],
+                4: [("gpt", schedules.pipedream_async(4, 8), "except_last"), ("mlp", schedules.pipedream_async(4, 9, 2),
+                                                                               "never")]}
 
 
 def reference(kind):
@@ -48,12 +55,42 @@ def local_counted_peaks(kind, schedule, checkpoint):
     return pipe.step(x, y).trace.peak_memory
 
 
+def check_asynchronous(kind, schedule, seen, where):
+    """PipeDream on the ranks against the sequential stale-weight reference (update after every B), or,
+    updating every k backwards, against the local engine's run of the same schedule."""
+    model = make_model(kind)
+    x, y = pl.models.sample_batch(model, BATCH, seed=2)
+    m, loss_fn = schedule.n_microbatches, pl.models.default_loss(model)
+    if schedule.meta["update_every"] == 1:
+        losses = sequential_reference(model, schedule.n_stages, pl.microbatch.split(x, m), pl.microbatch.split(y, m),
+                                      loss_fn, cases.momentum_sgd)
+    else:
+        pipe = pl.Pipeline(model, schedule.n_stages, m, schedule, loss_fn, devices="cpu", optimizer=cases.momentum_sgd)
+        losses = pipe.step(x, y).microbatch_losses
+    want = dict(model.named_parameters())
+    owners = set()
+    for found in seen:
+        torch.testing.assert_close(torch.tensor(found["losses"]), torch.tensor(losses), rtol=1e-6, atol=1e-7,
+                                   msg=lambda e: f"{where}: minibatch losses {e}")
+        if m % schedule.meta["update_every"] == 0:  # else the last backwards' gradients wait for an update
+            assert not found["grads"], f"{where}: gradients left after the updates"
+        for name, weight in found["weights"].items():
+            owners.add(name)
+            torch.testing.assert_close(weight, want[name].detach(), rtol=1e-6, atol=1e-7,
+                                       msg=lambda e: f"{where} {name}: {e}")
+    assert owners == set(want), f"{where}: weights no rank returned"
+
+
 @pytest.mark.parametrize("n_ranks", sorted(CASES))
-def test_interleaved_and_zero_bubble_equal_the_single_device_step(n_ranks):
-    grid = CASES[n_ranks]
+def test_interleaved_zero_bubble_and_pipedream_on_ranks_equal_their_references(n_ranks):
+    grid = CASES[n_ranks] + ASYNCHRONOUS[n_ranks]
     per_rank = pl.distributed.launch(cases.run_cases, n_ranks, grid, timeout_seconds=240)
     references = {kind: reference(kind) for kind in ("mlp", "gpt")}
     for k, (kind, schedule, checkpoint) in enumerate(grid):
+        if schedule.meta.get("asynchronous"):
+            check_asynchronous(kind, schedule, [rank[k] for rank in per_rank],
+                               f"{kind} {schedule.name} on {n_ranks} ranks, checkpoint={checkpoint}")
+            continue
         where = f"{kind} {schedule.name} on {n_ranks} ranks, checkpoint={checkpoint}"
         ref_loss, ref_grads = references[kind]
         seen = [rank[k] for rank in per_rank]

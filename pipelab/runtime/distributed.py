@@ -39,7 +39,7 @@ from ..trace import Event, Message, Trace, Wait
 from . import checkpoint
 from .clock import ActionClock
 from .clock_sync import estimate_offset
-from .local import StepResult, check_loss_fn, check_microbatch_count, split_stages
+from .local import StepResult, attach_stashes, check_loss_fn, check_microbatch_count, split_stages
 from .loop import StageWorker, producer, run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .p2p import PointToPointTransport
@@ -72,6 +72,8 @@ class DistributedPipeline:
             costs to the others, so that every rank cuts the model at the same places.
         threads: intra-op threads for this process on a CPU (default 1, so that ranks sharing
             a machine's cores really run in parallel); None leaves PyTorch's setting.
+        optimizer: for an asynchronous schedule ("pipedream-async") only, and needed there, as in
+            `pl.Pipeline`: `optimizer(params)` builds each of this rank's stages its own optimizer.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -86,7 +88,7 @@ class DistributedPipeline:
     def __init__(self, model: nn.Module, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, device: Any = None, group=None,
                  checkpoint: str | list[bool] = "never", split_method: str | Partition = "uniform",
-                 sample: Any = None, threads: int | None = 1):
+                 sample: Any = None, threads: int | None = 1, optimizer: Callable | None = None):
         if not (dist.is_available() and dist.is_initialized()):
             raise PipelineError("DistributedPipeline runs inside a process group: start it with torchrun "
                                 "(torchrun --nproc-per-node 2 -m pipelab.launch ...) or pl.distributed.launch(fn, 2)")
@@ -120,6 +122,7 @@ class DistributedPipeline:
         self.workers = {s: StageWorker(s, self.partition.stages[s], self.partition.bounds[s], self.n_stages, loss_fn,
                                        self.checkpoint[s], self.device, rank=self.rank, split_backward=s in split_at)
                         for s in self.stages}
+        self.asynchronous = attach_stashes(self.schedule, self.workers, optimizer)
         self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
 
@@ -193,6 +196,8 @@ class DistributedPipeline:
         input_chunks = microbatch.split(inputs, self.n_microbatches)
         target_chunks = microbatch.split(targets, self.n_microbatches)
         weights = [size / total for size in microbatch.sizes(total, self.n_microbatches)]
+        if self.asynchronous:  # each micro-batch is one of PipeDream's minibatches: its own mean loss
+            weights = [1.0] * self.n_microbatches
         observer = MemoryObserver(self.schedule.device_of_stage(), self.parameters())
         for worker in self.workers.values():
             worker.start_step(input_chunks, target_chunks, weights, observer)
@@ -210,7 +215,7 @@ class DistributedPipeline:
         wall_seconds = time.perf_counter() - step_begin
 
         trace, losses = self._trace(table, observed)
-        loss = sum(w * l for w, l in zip(weights, losses))
+        loss = sum(w * l for w, l in zip(weights, losses)) / (self.n_microbatches if self.asynchronous else 1)
         return StepResult(loss, trace, losses, wall_seconds, sum(trace.durations().values()))
 
     def _record(self, clock: ActionClock) -> torch.Tensor:

@@ -43,6 +43,7 @@ from .clock import ActionClock
 from .devices import assign_devices
 from .loop import InProcessTransport, StageWorker, to_device, run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
+from .weight_stash import WeightStash
 
 
 @dataclass
@@ -69,6 +70,24 @@ def split_stages(schedule: Schedule) -> set[int]:
     return {a.stage for a in schedule.all_actions() if a.kind == "W"}
 
 
+def attach_stashes(schedule: Schedule, workers: dict, optimizer: Callable | None) -> bool:
+    """Give every worker a `WeightStash` when `schedule` is asynchronous (PipeDream); True if it is."""
+    asynchronous = bool(schedule.meta.get("asynchronous"))
+    if not asynchronous:
+        if optimizer is not None:
+            raise PipelineError("optimizer= is for asynchronous schedules (pipedream-async), whose stages update "
+                                "during the step; with this schedule, step your optimizer after pipe.step()")
+        return False
+    if optimizer is None or not callable(optimizer):
+        raise TypeError("an asynchronous schedule updates each stage's weights during the step: pass "
+                        "optimizer=<callable(params) -> torch.optim.Optimizer>, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
+    if split_stages(schedule):
+        raise PipelineError("an asynchronous schedule with W actions: weight stashing runs whole backwards only")
+    for worker in workers.values():
+        worker.stash = WeightStash(worker.module, optimizer, schedule.meta.get("update_every", 1))
+    return True
+
+
 def check_microbatch_count(n_microbatches) -> None:
     if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
         raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
@@ -91,11 +110,16 @@ class Pipeline:
             or a list of booleans, one per stage.
         threads: PyTorch intra-op threads while a step runs (default 1: timings that hold when
             something else uses a core; restored after the step); None keeps the caller's.
+        optimizer: for an asynchronous schedule ("pipedream-async", `pl.schedules.pipedream_async`)
+            only, and needed there: `optimizer(params)` builds each stage's own optimizer.  A step
+            is then a PipeDream run: each micro-batch is one minibatch with its own mean loss and
+            update, under the weight-stashing rule of `runtime/weight_stash.py`.
     """
 
     def __init__(self, model: nn.Module, n_stages: int, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, devices: Any = "auto", split_method: str | Partition = "uniform",
-                 sample: Any = None, checkpoint: str | list[bool] = "never", threads: int | None = 1):
+                 sample: Any = None, checkpoint: str | list[bool] = "never", threads: int | None = 1,
+                 optimizer: Callable | None = None):
         check_loss_fn(loss_fn)
         check_microbatch_count(n_microbatches)
         self.threads = check_threads(threads)
@@ -115,6 +139,7 @@ class Pipeline:
         self.workers = {s: StageWorker(s, stage, self.partition.bounds[s], n_stages, loss_fn, self.checkpoint[s],
                                        self.devices[s], split_backward=s in split_at)
                         for s, stage in enumerate(self.partition.stages)}
+        self.asynchronous = attach_stashes(self.schedule, self.workers, optimizer)
         self._warm = False
         self.order = run_dependencies(self.schedule, duration=lambda a: 1.0).time_order()
         device_of_stage = self.schedule.device_of_stage()
@@ -136,7 +161,11 @@ class Pipeline:
         return validate(schedule)
 
     def step(self, inputs: Any, targets: Any) -> StepResult:
-        """One training step: gradients of the mean loss over the batch are *added* to `.grad` (zero them first)."""
+        """One training step: gradients of the mean loss over the batch are *added* to `.grad` (zero them first).
+
+        With an asynchronous schedule, one PipeDream run instead: micro-batch i is minibatch i, the stages'
+        optimizers update the weights during it; `loss` is the mean of the minibatches' losses, each taken
+        before its own update (`microbatch_losses`)."""
         with intra_op_threads(self.threads):
             return self._step(inputs, targets)
 
@@ -149,6 +178,8 @@ class Pipeline:
         if not self._warm:
             self._warm_up(input_chunks[0], target_chunks[0])
         weights = [size / total for size in microbatch.sizes(total, self.n_microbatches)]
+        if self.asynchronous:  # each micro-batch is one of PipeDream's minibatches: its own mean loss
+            weights = [1.0] * self.n_microbatches
         device_of_stage = self.schedule.device_of_stage()
         observer = MemoryObserver(device_of_stage, [p for params in self.parameters for p in params])
         for worker in self.workers.values():
@@ -164,7 +195,7 @@ class Pipeline:
         trace = self._trace(clock, observer)
         last = self.workers[self.n_stages - 1]
         losses = [float(last.losses[i]) for i in range(self.n_microbatches)]
-        loss = sum(w * l for w, l in zip(weights, losses))
+        loss = sum(w * l for w, l in zip(weights, losses)) / (self.n_microbatches if self.asynchronous else 1)
         return StepResult(loss, trace, losses, wall_seconds, sum(trace.durations().values()))
 
     def _warm_up(self, inputs: Any, targets: Any) -> None:

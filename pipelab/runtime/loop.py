@@ -21,6 +21,10 @@ When the schedule splits the backward (W actions: zero bubble), a stage's B comp
 its input's gradient (what the previous stage waits for) and keeps the micro-batch; its W
 computes the weight gradients and lets the micro-batch go (`stage.backward_input` /
 `stage.backward_weight`, exact: no gradient is computed twice).
+
+An asynchronous schedule (`pl.schedules.pipedream_async`) gives each stage a `WeightStash`
+(`runtime/weight_stash.py`): F runs with the live weights' version of the moment, stashed;
+B differentiates with that version and the stage's own optimizer updates the live weights.
 """
 
 from __future__ import annotations
@@ -30,11 +34,13 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
+from torch.func import functional_call
 
 from ..actions import Action
 from ..errors import PipelineError
 from . import stage as stage_ops
 from .memory_observer import MemoryObserver
+from .weight_stash import WeightStash
 
 
 def producer(action: Action, n_stages: int) -> Action | None:
@@ -72,6 +78,7 @@ class StageWorker:
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.free_outputs = True  # keep only the output's GradientEdge after F (stage.release_output)
         self.observer: MemoryObserver | None = None
+        self.stash: WeightStash | None = None  # an asynchronous schedule's weight versions (PipeDream)
 
     def start_step(self, input_chunks: list, target_chunks: list, weights: list[float],
                    observer: MemoryObserver | None = None) -> None:
@@ -100,8 +107,12 @@ class StageWorker:
             arrived = to_device(self.inputs[i], self.device) if self.is_first else message
             if keep is not None:
                 keep(arrived, "input")
+            module, parameters = self.module, self.parameters
+            if self.stash is not None:  # the live version of the moment, stashed for this micro-batch's B
+                weights = self.stash.for_forward(i)
+                module, parameters = partial(functional_call, self.module, weights), list(weights.values())
             flight = stage_ops.forward(
-                self.module, arrived, self.parameters, is_first=self.is_first,
+                module, arrived, parameters, is_first=self.is_first,
                 loss_fn=self.loss_fn if self.is_last else None,
                 target=to_device(self.targets[i], self.device) if self.is_last else None,
                 weight=self.weights[i], checkpoint=self.checkpoint, keep=keep,
@@ -128,6 +139,8 @@ class StageWorker:
             else:
                 flight = self.kept.pop(i)
                 gradient = stage_ops.backward(flight, message)
+                if self.stash is not None:  # the gradients onto the live weights; maybe an update
+                    self.stash.after_backward(i)
             self.recomputed_bytes[i] = flight.recomputed_bytes
             if self.is_first:
                 return None

@@ -1,0 +1,68 @@
+"""PipeDream's weight stashing on one stage, for the shared loop (`loop.StageWorker`).
+
+The rule of `pl.schedules.pipedream_async` (PipeDream, Narayanan et al., SOSP 2019, §3.3),
+per stage, walking its list in order:
+
+- the live weights start at version 0; after every `update_every`-th B the stage's own
+  optimizer steps them with the gradients of those backwards (summed), and the version
+  goes up by one;
+- F(s, i) runs with the live version at that moment and stashes it: a copy of the live
+  weights, made once per version and shared by every micro-batch that uses it (the live
+  tensors change in place at the next update, while those micro-batches are in flight);
+- B(s, i) differentiates the graph F(s, i) built, so with the stashed version; its
+  gradients are moved onto the live weights' `.grad`.
+
+A copy is dropped once no micro-batch in flight uses it and it is not the live version's:
+the stage then holds the versions `pl.pipedream.versions_in_flight` counts (p - s in the
+steady state, one of them the live weights' own copy).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+
+class WeightStash:
+    """One stage's weight versions during an asynchronous run."""
+
+    def __init__(self, module: nn.Module, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+                 update_every: int = 1):
+        named = list(module.named_parameters())
+        self.names = [name for name, _ in named]
+        self.live = [p for _, p in named]
+        self.optimizer = make_optimizer(self.live)
+        if not isinstance(self.optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer= must build a torch.optim.Optimizer from a stage's parameters, "
+                            f"got {type(self.optimizer).__name__}")
+        self.update_every = update_every
+        self.version, self.backwards = 0, 0
+        self.copies: dict[int, dict[str, torch.Tensor]] = {}  # version -> its stashed weights, by name
+        self.used_by: dict[int, int] = {}  # micro-batch in flight -> the version its F used
+        self.peak_versions = 0  # the most versions held at once (copies, plus the live weights if not copied)
+
+    def for_forward(self, microbatch: int) -> dict[str, torch.Tensor]:
+        """The weights F(s, `microbatch`) runs with: the live version's copy (made now if it is not yet)."""
+        if self.version not in self.copies:
+            self.copies[self.version] = {name: p.detach().clone().requires_grad_(p.requires_grad)
+                                         for name, p in zip(self.names, self.live)}
+        self.used_by[microbatch] = self.version
+        self.peak_versions = max(self.peak_versions, len(self.copies))
+        return self.copies[self.version]
+
+    def after_backward(self, microbatch: int) -> None:
+        """Move B(s, `microbatch`)'s gradients onto the live weights; every `update_every`-th B, update them."""
+        stashed = self.copies[self.used_by.pop(microbatch)]
+        for name, p in zip(self.names, self.live):
+            grad, stashed[name].grad = stashed[name].grad, None
+            if grad is not None:
+                p.grad = grad if p.grad is None else p.grad.add_(grad)
+        self.backwards += 1
+        if self.backwards % self.update_every == 0:
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            self.version += 1
+        needed = set(self.used_by.values()) | {self.version}
+        self.copies = {v: weights for v, weights in self.copies.items() if v in needed}
