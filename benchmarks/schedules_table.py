@@ -24,7 +24,8 @@ micro-batch, 4 devices (interleaved: 8 stages of one block, two per device):
   micro-batch until its W), divided by the counted bytes of one micro-batch through one
   stage (`Costs.from_profile`); distrib.: the distributed engine's, counted the same way.
 - PipeDream (asynchronous) is drawn for one run of m micro-batches: its table is 1F1B's,
-  and its bubble is paid once per run instead of once per optimizer step.
+  and its bubble is paid once per run instead of once per optimizer step.  Measured, each
+  step is a real PipeDream run (weight stashing, plain SGD per stage after every B).
 
 Table 2: PyTorch's own tables (`pl.schedules.torch_table`) beside pipelab's schedule of
 the same family, simulated at the same costs (a chunk of a two-chunk table costs half a
@@ -70,6 +71,11 @@ def build(name: str, p: int, m: int, v: int) -> tuple[pl.Schedule, pl.Costs]:
     return schedules.by_name(name, p, m), pl.Costs(T_F, T_B, memory_bytes=1.0)
 
 
+def optimizer_for(schedule: pl.Schedule):
+    """Asynchronous PipeDream updates during the step: plain SGD per stage (its time is inside each B)."""
+    return (lambda params: torch.optim.SGD(params, lr=1e-3)) if schedule.meta.get("asynchronous") else None
+
+
 def model_and_batch():
     model = pl.models.mlp(depth=8, width=WIDTH, seed=0)
     return model, pl.models.sample_batch(model, M * SAMPLES_PER_MICROBATCH)
@@ -81,7 +87,7 @@ def distributed_steps(schedules_to_run: list[pl.Schedule], steps: int) -> list[t
     found = []
     for schedule in schedules_to_run:
         model, (x, y) = model_and_batch()
-        pipe = pl.DistributedPipeline(model, M, schedule, torch.nn.MSELoss())
+        pipe = pl.DistributedPipeline(model, M, schedule, torch.nn.MSELoss(), optimizer=optimizer_for(schedule))
         pipe.step(x, y)
         bubbles, peak = [], 0
         for _ in range(steps):
@@ -102,7 +108,8 @@ def measure(schedule: pl.Schedule, x, y, steps: int, unit_bytes: float) -> tuple
     """
     model = pl.models.mlp(depth=8, width=WIDTH, seed=0)
     try:
-        pipe = pl.Pipeline(model, schedule.n_stages, M, schedule, torch.nn.MSELoss(), devices="cpu")
+        pipe = pl.Pipeline(model, schedule.n_stages, M, schedule, torch.nn.MSELoss(), devices="cpu",
+                           optimizer=optimizer_for(schedule))
     except pl.PipelineError:  # the local engine does not run this kind of table (yet)
         return "n/a"
     traces = []
