@@ -20,7 +20,8 @@ def balanced_bounds(costs: Sequence[float], n_stages: int) -> list[tuple[int, in
     Returns a new list of ``n_stages`` tuples of two ``int``.  When several splits reach
     the same bottleneck, any one of them is a correct answer: 8 equal layers on 3 stages
     may be split 3, 3, 2 or 3, 2, 3 or 2, 3, 3 layers, not 2, 2, 4.  ``costs`` may be a
-    list or a tuple, of ints or floats; it is left unchanged.
+    list or a tuple, of ints or floats of any size (seconds, or FLOPs and bytes near
+    1e12); it is left unchanged.
 
     Filling each stage up to ``sum(costs) / n_stages`` (greedy) is *not* optimal.  Hint:
     dynamic programming over "the first j layers on k stages", O(p n^2), or a search over

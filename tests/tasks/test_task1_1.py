@@ -120,6 +120,13 @@ def test_layers_of_cost_zero_still_get_a_stage_each(impl):
     assert_optimal(impl("partition").balanced_bounds, [0.0, 5.0, 0.0, 0.0], 3)
 
 
+def test_costs_of_any_size_flops_and_bytes(impl):
+    # Near 1e12 two neighbouring floats are 1.2e-4 apart: a search that waits for an
+    # absolute gap of 1e-9 never ends.
+    assert_optimal(impl("partition").balanced_bounds, [2.5e12, 1e12, 3e12, 1e12, 4e12], 3)
+    assert_optimal(impl("partition").balanced_bounds, [3 * 2**30, 2**30, 5 * 2**30, 2**29], 2)
+
+
 def test_costs_as_a_tuple_and_left_unchanged(impl):
     balanced_bounds = impl("partition").balanced_bounds
     costs = [3, 1.5, 0, 2, 2, 4]
@@ -154,11 +161,14 @@ def test_invalid_arguments_raise_value_error(impl, costs, n_stages, why):
 
 
 layer_cost = st.integers(0, 20) | st.floats(0, 20, allow_nan=False, allow_infinity=False)
+n_layers = st.integers(1, 9)  # drawn first, so that every length is tried in every run
 layer_costs = st.one_of(
-    st.lists(layer_cost, min_size=1, max_size=9),
-    st.builds(lambda cost, n: [cost] * n, layer_cost, st.integers(1, 9)),  # equal costs
-    st.lists(st.sampled_from([0, 0, 1, 5]), min_size=1, max_size=9),  # zeros and ties
+    n_layers.flatmap(lambda n: st.lists(layer_cost, min_size=n, max_size=n)),
+    st.builds(lambda cost, n: [cost] * n, layer_cost, n_layers),  # equal costs
+    n_layers.flatmap(lambda n: st.lists(st.sampled_from([0, 0, 1, 5]), min_size=n, max_size=n)),  # zeros, ties
 )
+scale = st.sampled_from([1, 1, 10**6, 10**12])  # seconds, or FLOPs and bytes
+layer_costs = st.builds(lambda costs, factor: [cost * factor for cost in costs], layer_costs, scale)
 
 
 @settings(max_examples=150, deadline=None)
@@ -169,6 +179,7 @@ layer_costs = st.one_of(
 @example((4, 1, 1, 1, 1))  # a heavy first layer, costs in a tuple
 @example([2, 1, 1, 6])  # a heavy last layer: a last stage of one layer
 @example([0.1] * 10)  # sums that floats round
+@example([7e11, 2e12, 1e12, 1.5e12])  # FLOPs
 @given(layer_costs.flatmap(lambda costs: st.sampled_from([costs, tuple(costs)])))
 def test_bottleneck_is_the_smallest_possible(impl, costs):
     # Every number of stages, 1 .. len(costs), for each drawn list of costs.

@@ -204,11 +204,12 @@ def test_merge_concatenates_stage_outputs(impl):
          "tensor leaves, at any depth of the nesting, disagree on the batch size"),
         ({"mode": "train"}, 1, "the batch holds no tensor"),
         (((), [None]), 1, "the batch holds no tensor"),
+        ("tokens", 1, "the batch holds no tensor"),
         ((torch.zeros(4), torch.tensor(1.0)), 2, "a 0-d tensor has no batch size"),
         ({"x": torch.zeros(4), "extras": [torch.tensor(1.0)]}, 2, "a 0-d tensor has no batch size"),
     ],
     ids=["zero", "negative", "more_than_batch", "sizes_disagree", "nested_sizes_disagree",
-         "deeply_nested_sizes_disagree", "no_tensor", "no_tensor_nested", "zero_dim_tensor",
+         "deeply_nested_sizes_disagree", "no_tensor", "no_tensor_nested", "no_tensor_at_all", "zero_dim_tensor",
          "nested_zero_dim_tensor"],
 )
 def test_split_rejects_bad_arguments(impl, batch, n, why):

@@ -66,6 +66,29 @@ def inputs_of(action, n_stages):
     return [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < n_stages - 1 else [])
 
 
+def relabeled(table, order):
+    """The same schedule with micro-batch i renamed order[i] on every stage: a table whose
+    stages take their micro-batches in another order, valid whenever ``table`` is."""
+    return [[(kind, stage, order[mb]) for kind, stage, mb in row] for row in table]
+
+
+def assert_follows_the_rule(times, table, n_stages, seconds):
+    """Each action of each device starts when the device is free and its inputs have ended."""
+    assert_times_every_action(times, table)
+    for device, row in enumerate(table):
+        device_free = 0.0
+        for action in row:
+            needs = inputs_of(action, n_stages)
+            ready = max([device_free] + [times[need][1] for need in needs])
+            start, end = times[action]
+            assert (start, end) == pytest.approx((ready, ready + seconds[action])), (
+                f"{RULE}\n{action} on device {device} runs {start}..{end}; its device is free at "
+                f"{device_free} and its inputs {needs} end at {[times[n][1] for n in needs]}, so "
+                f"it should run {ready}..{ready + seconds[action]} (duration {seconds[action]})"
+            )
+            device_free = end
+
+
 def by_kind(forward_s, backward_s):
     return lambda action: forward_s if action[0] == "F" else backward_s
 
@@ -189,6 +212,29 @@ def test_four_stages_on_two_devices(impl):
         )
 
 
+@pytest.mark.parametrize("schedule", [gpipe_table, one_f_one_b_table], ids=["gpipe", "1f1b"])
+def test_microbatches_taken_in_another_order(impl, schedule):
+    # Renaming the micro-batches renames the times: micro-batch 2 first, then 0, 3, 1.
+    order = [2, 0, 3, 1]
+    seconds = {("F", s): 1.0 + s for s in range(3)} | {("B", s): 2.5 - s / 2 for s in range(3)}
+    duration = lambda a: seconds[a[0], a[1]]  # noqa: E731
+    plain = simulate(impl, schedule(3, 4), 3, duration)
+    renamed = simulate(impl, relabeled(schedule(3, 4), order), 3, duration)
+    expected = {(kind, stage, order[mb]): time for (kind, stage, mb), time in plain.items()}
+    assert renamed == expected, (
+        f"{RULE}, whatever order a stage takes its micro-batches in\nthe same {schedule.__name__}(3, 4) "
+        f"with micro-batch i renamed {order}[i] got other times: {renamed}"
+    )
+
+
+def test_backwards_last_microbatch_first(impl):
+    # GPipe with every stage running its backwards B(s, m-1) .. B(s, 0): valid, not ascending.
+    table = [[("F", s, i) for i in range(4)] + [("B", s, i) for i in reversed(range(4))] for s in range(3)]
+    seconds = {action: 1.0 + action[1] / 4 if action[0] == "F" else 2.0 for row in table for action in row}
+    times = simulate(impl, table, 3, lambda action: seconds[action])
+    assert_follows_the_rule(times, table, 3, seconds)
+
+
 def test_integer_durations_give_float_times(impl):
     times = simulate(impl, gpipe_table(2, 2), 2, lambda action: 1 if action[0] == "F" else 2)
     assert times[("B", 0, 1)] == (7.0, 9.0), f"{RULE}\ngot {times}"
@@ -243,6 +289,7 @@ def test_a_dependency_in_no_list_raises_value_error(impl):
 def schedules_with_durations(draw):
     p, m = draw(st.integers(1, 4)), draw(st.integers(1, 5))
     table = draw(st.sampled_from([gpipe_table, one_f_one_b_table]))(p, m)
+    table = relabeled(table, draw(st.permutations(range(m))))  # micro-batches in any order
     if p > 1 and draw(st.booleans()):
         table = on_fewer_devices(table, p, 2)  # two stages on a device (one on the last, if p is odd)
     actions = [action for row in table for action in row]
@@ -257,21 +304,10 @@ def by_hand_case(table, n_stages):
 @settings(max_examples=60, deadline=None)
 @example(by_hand_case(on_fewer_devices(gpipe_table(2, 3), 2, 2), 2))  # two stages on one device
 @example(by_hand_case(on_fewer_devices(one_f_one_b_table(4, 4), 4, 2), 4))  # four stages on two devices
+@example(by_hand_case(relabeled(one_f_one_b_table(3, 3), [2, 0, 1]), 3))  # micro-batches in another order
 @example(by_hand_case(one_f_one_b_table(3, 1), 3))  # m = 1
 @given(schedules_with_durations())
 def test_each_action_starts_when_its_device_and_inputs_are_ready(impl, case):
     table, p, seconds = case
     times = simulate(impl, table, p, lambda action: seconds[tuple(action)])
-    assert_times_every_action(times, table)
-    for device, row in enumerate(table):
-        device_free = 0.0
-        for action in row:
-            needs = inputs_of(action, p)
-            ready = max([device_free] + [times[need][1] for need in needs])
-            start, end = times[action]
-            assert (start, end) == pytest.approx((ready, ready + seconds[action])), (
-                f"{RULE}\n{action} on device {device} runs {start}..{end}; its device is free at "
-                f"{device_free} and its inputs {needs} end at {[times[n][1] for n in needs]}, so "
-                f"it should run {ready}..{ready + seconds[action]} (duration {seconds[action]})"
-            )
-            device_free = end
+    assert_follows_the_rule(times, table, p, seconds)
