@@ -44,6 +44,6 @@ def picture(value):
 def assert_unchanged(before, value, what: str, call: str) -> None:
     """``before`` is ``picture(value)`` taken before the call."""
     assert picture(value) == before, (
-        f"leaves its arguments unchanged ({what}: changed in place)\n"
+        f"{call.split('(')[0]} leaves its arguments unchanged ({what}: changed in place)\n"
         f"after {call}, {what} is {value!r}"
     )

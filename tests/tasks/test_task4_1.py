@@ -132,6 +132,7 @@ def results_of(two_rank_step) -> list[dict]:
         raise_stub_error_here(learner, outcome)
     if "timed out" in outcome.message.lower():
         raise AssertionError(
+            "the two ranks exchange every activation and gradient without a deadlock\n"
             f"your ranks deadlocked: rank {outcome.rank} waited{where} for a message that never "
             f"came.\n  rank {outcome.rank}: {outcome.message}\n"
             "Each rank was waiting for a message the other had not sent.  Post the receives "
@@ -140,12 +141,14 @@ def results_of(two_rank_step) -> list[dict]:
         )
     if "SIGABRT" in outcome.message:
         raise AssertionError(
+            "the message of micro-batch k has tag k and shape activation_shapes[k], both ways\n"
             f"rank {outcome.rank} was aborted by gloo: most likely a message arrived in a receive "
             "buffer too small for it, posted with the same tag.  The message of micro-batch k "
             "has tag k and shape activation_shapes[k], both ways.\n"
             f"  rank {outcome.rank}: {outcome.message}"
         )
-    raise AssertionError(f"rank {outcome.rank} failed{where}: {outcome.message}")
+    raise AssertionError(f"both ranks finish the step without an error\n"
+                         f"rank {outcome.rank} failed{where}: {outcome.message}")
 
 
 def where_in_learner_code(details: str, learner) -> str:
@@ -191,11 +194,13 @@ def test_gradients_equal_the_single_device_step(two_rank_step, case):
         for name in names:
             grad = seen["grads"].get(name)
             assert grad is not None, (
+                f"each rank's parameters get the gradients of the single-device step\n"
                 f"{case}: parameter {name} of rank {rank}'s stage has no gradient after the step"
             )
             torch.testing.assert_close(
                 grad, expected[name], **TOLERANCE,
-                msg=lambda text: f"{case}: rank {rank}'s gradient of {name} differs from the "
+                msg=lambda text: "each rank's parameters get the gradients of the single-device step\n"
+                f"{case}: rank {rank}'s gradient of {name} differs from the "
                 f"single-device step's:\n{text}",
             )
 
@@ -204,16 +209,20 @@ def test_last_rank_returns_the_batch_loss_and_first_rank_none(two_rank_step):
     per_rank = results_of(two_rank_step)
     for case in CASES:
         first, last = per_rank[0][case], per_rank[1][case]
-        assert first["returned"] is None, f"{case}: first_stage_step should return None"
+        assert first["returned"] is None, f"first_stage_step returns None\n{case}: it returned {first['returned']!r}"
         loss = last["returned"]
         assert isinstance(loss, torch.Tensor) and loss.dim() == 0, (
-            f"{case}: last_stage_step should return the loss as a 0-dim tensor, got {loss!r}"
+            "last_stage_step returns the batch loss, a detached 0-dim tensor\n"
+            f"{case}: it returned {loss!r}"
         )
-        assert not last["returned_requires_grad"], f"{case}: return the loss detached"
+        assert not last["returned_requires_grad"], (
+            f"last_stage_step returns the batch loss, a detached 0-dim tensor\n{case}: it requires grad"
+        )
         expected, _ = reference(case)
         torch.testing.assert_close(
             loss, expected, **TOLERANCE,
-            msg=lambda text: f"{case}: the loss should be the whole batch's, "
+            msg=lambda text: "last_stage_step returns the batch loss, sum_k (B_k / B) * loss_k\n"
+            f"{case}: the loss should be the whole batch's, "
             f"sum_k (B_k / B) * loss_k:\n{text}",
         )
 
@@ -222,4 +231,7 @@ def test_inputs_are_unchanged(two_rank_step):
     per_rank = results_of(two_rank_step)
     for rank, function in enumerate(("first_stage_step", "last_stage_step")):
         changed = [case for case, seen in per_rank[rank].items() if not seen["inputs_unchanged"]]
-        assert not changed, f"{function} changed its list of micro-batches or shapes in {changed}"
+        assert not changed, (
+            f"{function} leaves its arguments unchanged\n"
+            f"{function} changed its list of micro-batches or shapes in {changed}"
+        )
