@@ -145,7 +145,9 @@ def test_split_backward_computes_no_gradient_twice(kind):
     for sched in (schedules.one_f_one_b(p, m), schedules.zero_bubble_h1(p, m)):
         model = make_model(kind, 6)
         x, y = pl.models.sample_batch(model, BATCH, seed=2)
-        pipe = pl.Pipeline(model, p, m, sched, pl.models.default_loss(model), devices="cpu")
+        # autograd's own accumulation for 1F1B: the reference is a plain whole backward (the fused one runs
+        # addmm_ instead of mm + add_, tests/test_fused_accumulation.py); a split backward never fuses
+        pipe = pl.Pipeline(model, p, m, sched, pl.models.default_loss(model), devices="cpu", fused_accumulation=False)
         pipe.step(x, y)  # the first step also warms up (runs one plain backward)
         model.zero_grad(set_to_none=True)
         with KernelCount() as counted:

@@ -74,6 +74,8 @@ class DistributedPipeline:
             a machine's cores really run in parallel); None leaves PyTorch's setting.
         optimizer: for an asynchronous schedule ("pipedream-async") only, and needed there, as in
             `pl.Pipeline`: `optimizer(params)` builds each of this rank's stages its own optimizer.
+        fused_accumulation: Linear weight gradients added into `.grad` inside the multiply, as in
+            `pl.Pipeline` (default True).
     """
 
     def __new__(cls, *args, **kwargs):
@@ -88,7 +90,8 @@ class DistributedPipeline:
     def __init__(self, model: nn.Module, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, device: Any = None, group=None,
                  checkpoint: str | list[bool] = "never", split_method: str | Partition = "uniform",
-                 sample: Any = None, threads: int | None = 1, optimizer: Callable | None = None):
+                 sample: Any = None, threads: int | None = 1, optimizer: Callable | None = None,
+                 fused_accumulation: bool = True):
         if not (dist.is_available() and dist.is_initialized()):
             raise PipelineError("DistributedPipeline runs inside a process group: start it with torchrun "
                                 "(torchrun --nproc-per-node 2 -m pipelab.launch ...) or pl.distributed.launch(fn, 2)")
@@ -120,7 +123,8 @@ class DistributedPipeline:
             stage.to(self.device if s in self.stages else "meta")  # "meta": the other ranks' blocks are freed
         split_at = split_stages(self.schedule)
         self.workers = {s: StageWorker(s, self.partition.stages[s], self.partition.bounds[s], self.n_stages, loss_fn,
-                                       self.checkpoint[s], self.device, rank=self.rank, split_backward=s in split_at)
+                                       self.checkpoint[s], self.device, rank=self.rank, split_backward=s in split_at,
+                                       fused_accumulation=fused_accumulation)
                         for s in self.stages}
         self.asynchronous = attach_stashes(self.schedule, self.workers, optimizer)
         self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)

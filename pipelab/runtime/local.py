@@ -114,12 +114,16 @@ class Pipeline:
             only, and needed there: `optimizer(params)` builds each stage's own optimizer.  A step
             is then a PipeDream run: each micro-batch is one minibatch with its own mean loss and
             update, under the weight-stashing rule of `runtime/weight_stash.py`.
+        fused_accumulation: each Linear adds its weight gradient into `.grad` inside its multiply
+            instead of computing it and adding it after, one pass over the weights fewer per
+            micro-batch (`runtime/fused_accumulation.py`; default True; not with a split backward
+            or weight stashing).  False: plain autograd accumulation.
     """
 
     def __init__(self, model: nn.Module, n_stages: int, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, devices: Any = "auto", split_method: str | Partition = "uniform",
                  sample: Any = None, checkpoint: str | list[bool] = "never", threads: int | None = 1,
-                 optimizer: Callable | None = None):
+                 optimizer: Callable | None = None, fused_accumulation: bool = True):
         check_loss_fn(loss_fn)
         check_microbatch_count(n_microbatches)
         self.threads = check_threads(threads)
@@ -137,7 +141,8 @@ class Pipeline:
         self.parameters = [list(stage.parameters()) for stage in self.partition.stages]
         split_at = split_stages(self.schedule)
         self.workers = {s: StageWorker(s, stage, self.partition.bounds[s], n_stages, loss_fn, self.checkpoint[s],
-                                       self.devices[s], split_backward=s in split_at)
+                                       self.devices[s], split_backward=s in split_at,
+                                       fused_accumulation=fused_accumulation)
                         for s, stage in enumerate(self.partition.stages)}
         self.asynchronous = attach_stashes(self.schedule, self.workers, optimizer)
         self._warm = False

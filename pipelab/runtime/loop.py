@@ -70,10 +70,14 @@ class StageWorker:
     """One stage's modules and what it keeps during a step; `compute` does one action's work."""
 
     def __init__(self, index: int, module: nn.Module, bounds: tuple[int, int], n_stages: int, loss_fn: Callable,
-                 checkpoint: bool, device: torch.device, rank: int | None = None, split_backward: bool = False):
+                 checkpoint: bool, device: torch.device, rank: int | None = None, split_backward: bool = False,
+                 fused_accumulation: bool = True):
         self.index, self.module, self.bounds, self.n_stages = index, module, bounds, n_stages
         self.loss_fn, self.checkpoint, self.device, self.rank = loss_fn, checkpoint, device, rank
         self.split_backward = split_backward  # the schedule has W actions: B input gradient only, W the weights
+        # weight gradients added into .grad inside the multiply (runtime/fused_accumulation.py); not with a split
+        # backward, whose B must leave them to W
+        self.fused_accumulation = fused_accumulation and not split_backward
         self.parameters = list(module.parameters())
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.free_outputs = True  # keep only the output's GradientEdge after F (stage.release_output)
@@ -116,6 +120,7 @@ class StageWorker:
                 loss_fn=self.loss_fn if self.is_last else None,
                 target=to_device(self.targets[i], self.device) if self.is_last else None,
                 weight=self.weights[i], checkpoint=self.checkpoint, keep=keep,
+                fused=self.fused_accumulation and self.stash is None,
             )
             self.kept[i], self.saved_bytes[i] = flight, flight.saved_bytes
             sent = flight.sent

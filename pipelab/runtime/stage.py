@@ -31,6 +31,8 @@ backpropagates.  Memory between F and B drops to the input; B costs one more for
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -39,6 +41,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .. import split_backward
+from .fused_accumulation import FusedAccumulation
 
 
 @dataclass
@@ -98,8 +101,12 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 
 def forward(stage: nn.Module, received: Any, parameters: list[torch.Tensor], is_first: bool,
             loss_fn: Callable | None = None, target: Any = None, weight: float = 1.0,
-            checkpoint: bool = False, keep: Callable[[torch.Tensor], None] | None = None) -> InFlight:
+            checkpoint: bool = False, keep: Callable[[torch.Tensor], None] | None = None,
+            fused: bool = False) -> InFlight:
     """Run `stage` on `received`; on the last stage (loss_fn given) also the loss, times `weight`.
+
+    `fused`: the stage's Linear layers add their weight gradients into `.grad` inside the
+    multiply (`runtime/fused_accumulation.py`), in the forward and in a recomputation alike.
 
     `keep(tensor)` is called on each tensor autograd saves (parameters left out), in the
     forward and in a checkpointed stage's recomputation; `keep(output, "output")` on the
@@ -113,7 +120,7 @@ def forward(stage: nn.Module, received: Any, parameters: list[torch.Tensor], is_
     def run(exclude: set = frozenset()) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         counter = SavedBytesCounter(parameters, keep)
         counter.excluded |= exclude
-        with counter.hooks():
+        with counter.hooks(), (FusedAccumulation(parameters) if fused else contextlib.nullcontext()):
             output = stage(inp)
             loss = None
             if loss_fn is not None:
