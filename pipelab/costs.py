@@ -67,13 +67,15 @@ class Costs:
     @classmethod
     def from_profile(cls, model, parts, sample_batch: tuple[Any, Any], loss_fn: Callable,
                      repeats: int = 5, latency: float = 0.0, bandwidth: float = math.inf,
-                     threads: int | None = 1) -> "Costs":
+                     threads: int | None = 1, fused_accumulation: bool = True) -> "Costs":
         """Measure forward/backward seconds, bytes sent and kept, per stage.
 
         `parts` is a `pl.split` result of `model`; `sample_batch` = (inputs, targets) of ONE
         micro-batch.  Uses the engine's own stage forward/backward, so what is measured is
         what the engine runs.  The model's `.grad` is restored afterwards.  The ops run on
-        `threads` intra-op threads (default 1, like the engine's step; None: the caller's setting).
+        `threads` intra-op threads (default 1, like the engine's step; None: the caller's setting),
+        with the weight gradients accumulated as the engines do by default (`fused_accumulation`,
+        `runtime/fused_accumulation.py`; False for a pipeline built with it off).
 
         Each stage's forward and backward seconds are the best (minimum) of `repeats` runs:
         other work on the machine, a cold cache or a page fault only ever add time, so the
@@ -81,10 +83,10 @@ class Costs:
         """
         check_repeats(repeats)
         with intra_op_threads(threads):
-            return cls._profile(model, parts, sample_batch, loss_fn, repeats, latency, bandwidth)
+            return cls._profile(model, parts, sample_batch, loss_fn, repeats, latency, bandwidth, fused_accumulation)
 
     @classmethod
-    def _profile(cls, model, parts, sample_batch, loss_fn, repeats, latency, bandwidth) -> "Costs":
+    def _profile(cls, model, parts, sample_batch, loss_fn, repeats, latency, bandwidth, fused) -> "Costs":
         inputs, targets = sample_batch
         saved_grads = [p.grad for p in model.parameters()]
         for p in model.parameters():  # profile into fresh .grad tensors, then put the caller's back
@@ -100,7 +102,7 @@ class Costs:
                 begin = _now(device)
                 flight = stage_ops.forward(stage, _move(activation, device), list(stage.parameters()), s == 0,
                                            loss_fn if s == n - 1 else None,
-                                           _move(targets, device) if s == n - 1 else None)
+                                           _move(targets, device) if s == n - 1 else None, fused=fused)
                 forward[s].append(_now(device) - begin)
                 flights.append(flight)
                 if isinstance(flight.input, torch.Tensor):
