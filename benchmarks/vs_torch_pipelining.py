@@ -36,7 +36,8 @@ Printed (medians over steps, all from this one run):
    (forward + backward of the full batch).  Target >= 1.5x on 2 cores (ideal 2*8/9 =
    1.78x for m = 8).  Also printed: the shortest measured op (target >= 1 ms) and the
    speed-up over one process running the same 8 micro-batches one after the other
-   (gradient accumulation), which separates the pipeline's parallelism from the cost of
+   (gradient accumulation, fused as in pipelab's stages, so that both sides of this
+   factor do the same work), which separates the pipeline's parallelism from the cost of
    smaller matrix products.  So the speed-up over the full batch is
    (full / micro-batched) * (micro-batched / pipelined): the cost of micro-batching times
    the pipeline's own gain.  On a CPU the first factor is far from 1 at small micro-batches:
@@ -78,6 +79,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipelab as pl
+from pipelab.runtime.fused_accumulation import FusedAccumulation
 
 DEPTH, WIDTH, BATCH, M = 8, 1024, 64, 8
 SCHEDULES = ("gpipe", "1f1b")
@@ -181,9 +183,11 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
     def single_step():
         loss_fn(full(x), y).backward()
 
-    def accumulated_step():  # the same micro-batches, one after the other, in one process
+    def accumulated_step():  # the same micro-batches, one after the other, in one process, accumulated as pipelab does
         for xi, yi in zip(x.split(mb), y.split(mb)):
-            (loss_fn(full(xi), yi) / M).backward()
+            with FusedAccumulation(list(full.parameters())):
+                out = full(xi)
+            (loss_fn(out, yi) / M).backward()
 
     out = {"rank": rank, "bounds": bounds, "grad_err": {}, "loss": {}, "times": {}, "waited": {}, "makespan": {},
            "inner_wall": {}, "shortest_op": [], "predicted": {}, "predicted_alone": {}, "single": [],
