@@ -183,9 +183,11 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
     def single_step():
         loss_fn(full(x), y).backward()
 
+    fusion = FusedAccumulation(full, list(full.parameters()))
+
     def accumulated_step():  # the same micro-batches, one after the other, in one process, accumulated as pipelab does
         for xi, yi in zip(x.split(mb), y.split(mb)):
-            with FusedAccumulation(list(full.parameters())):
+            with fusion:
                 out = full(xi)
             (loss_fn(out, yi) / M).backward()
 

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .runtime import stage as stage_ops
+from .runtime.fused_accumulation import FusedAccumulation
 from .threads import intra_op_threads
 
 PerStage = float | Sequence[float]
@@ -95,6 +96,7 @@ class Costs:
         forward = [[] for _ in range(n)]
         backward = [[] for _ in range(n)]
         sent, kept, received = [0.0] * n, [0.0] * n, [0.0] * n
+        fusions = [FusedAccumulation(stage, list(stage.parameters())) if fused else None for stage in parts.stages]
         for _ in range(repeats):
             activation, flights = inputs, []
             for s, stage in enumerate(parts.stages):
@@ -102,7 +104,7 @@ class Costs:
                 begin = _now(device)
                 flight = stage_ops.forward(stage, _move(activation, device), list(stage.parameters()), s == 0,
                                            loss_fn if s == n - 1 else None,
-                                           _move(targets, device) if s == n - 1 else None, fused=fused)
+                                           _move(targets, device) if s == n - 1 else None, fused=fusions[s])
                 forward[s].append(_now(device) - begin)
                 flights.append(flight)
                 if isinstance(flight.input, torch.Tensor):

@@ -1,7 +1,7 @@
 """Weight gradients accumulated inside the multiply (`runtime/fused_accumulation.py`), against plain autograd.
 
 The reference is PyTorch's own accumulation: the same micro-batches backpropagated one after the other
-with no mode active (each weight gradient computed, then added into `.grad` by `AccumulateGrad`).
+with nothing swapped in (each weight gradient computed, then added into `.grad` by `AccumulateGrad`).
 """
 
 import pytest
@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import pipelab as pl
+from pipelab.runtime import fused_accumulation
 from pipelab.runtime.fused_accumulation import FusedAccumulation
 
 
@@ -16,16 +17,21 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _accumulate(model, chunks, fused: bool, loss=lambda y: y.square().mean()):
+def _accumulate(model, chunks, fused: bool):
     model.zero_grad(set_to_none=True)
+    fusion = FusedAccumulation(model, list(model.parameters()), min_weight_elements=0)
     for chunk in chunks:
         if fused:
-            with FusedAccumulation(list(model.parameters())):
+            with fusion:
                 out = model(chunk)
         else:
             out = model(chunk)
-        loss(out).backward()
+        out.square().mean().backward()
     return _grads(model)
+
+
+def _fused(out) -> bool:
+    return "LinearAccumulatingWeightGrad" in type(out.grad_fn).__name__
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -41,49 +47,65 @@ def test_same_gradients_as_autograd_over_micro_batches(dtype):
         torch.testing.assert_close(fused[name], reference[name], rtol=1e-5, atol=1e-6)
 
 
-def test_fused_weights_have_no_accumulate_grad_node_and_inputs_still_get_gradients():
+def test_input_weight_and_bias_gradients_by_hand_and_the_module_restored():
     torch.manual_seed(1)
     layer = nn.Linear(4, 2)
     x = torch.randn(5, 4, requires_grad=True)
-    with FusedAccumulation(list(layer.parameters())):
+    with FusedAccumulation(layer, list(layer.parameters()), min_weight_elements=0):
         out = layer(x)
-    assert "LinearAccumulatingWeightGrad" in type(out.grad_fn).__name__
+    assert _fused(out) and "forward" not in layer.__dict__  # the class's forward is back
     out.sum().backward()
-    reference_x = torch.ones(5, 2) @ layer.weight
-    torch.testing.assert_close(x.grad, reference_x)
+    torch.testing.assert_close(x.grad, torch.ones(5, 2) @ layer.weight)
     torch.testing.assert_close(layer.weight.grad, torch.ones(5, 2).t() @ x.detach())
     torch.testing.assert_close(layer.bias.grad, torch.full((2,), 5.0))
+    assert type(layer(x).grad_fn).__name__ == "AddmmBackward0"
 
 
-def test_left_to_autograd_outside_the_stage_without_grad_or_with_hooks():
+def test_only_weights_of_the_threshold_size_are_fused():
+    small, large = nn.Linear(16, 16), nn.Linear(512, 512)
+    fusion = FusedAccumulation(nn.ModuleList([small, large]), list(small.parameters()) + list(large.parameters()))
+    assert fusion.linears == [large]
+
+
+def test_left_to_autograd_outside_the_stage_without_grad_with_hooks_or_an_own_forward():
     torch.manual_seed(2)
-    inside, outside = nn.Linear(3, 3), nn.Linear(3, 3)
-    hooked = nn.Linear(3, 3)
+
+    class Scaled(nn.Linear):  # a subclass with its own forward keeps it
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    inside, outside, hooked, scaled = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 3), Scaled(3, 3)
+    stage = nn.ModuleList([inside, hooked, scaled])
+    fusion = FusedAccumulation(stage, list(stage.parameters()), min_weight_elements=0)
     seen = []
-    hooked.weight.register_hook(lambda g: seen.append(g.shape))  # a tensor hook must still run
-    with FusedAccumulation(list(inside.parameters()) + list(hooked.parameters())):
-        a, b, c = inside(torch.randn(2, 3)), outside(torch.randn(2, 3)), hooked(torch.randn(2, 3))
+    hooked.weight.register_hook(lambda g: seen.append(g.shape))  # registered after: it must still run
+    with fusion:
+        a, b, c, d = (layer(torch.randn(2, 3)) for layer in (inside, outside, hooked, scaled))
         with torch.no_grad():
-            d = inside(torch.randn(2, 3))
-    assert "LinearAccumulatingWeightGrad" in type(a.grad_fn).__name__
-    assert type(b.grad_fn).__name__ == "AddmmBackward0"  # not one of the given parameters
+            e = inside(torch.randn(2, 3))
+    assert _fused(a)
+    assert type(b.grad_fn).__name__ == "AddmmBackward0"  # not one of the stage's parameters
     assert type(c.grad_fn).__name__ == "AddmmBackward0"  # its weight has a hook
-    assert d.grad_fn is None
-    (a.sum() + b.sum() + c.sum()).backward()
+    assert type(d.grad_fn).__name__ == "MulBackward0" and _fused(d) is False
+    assert e.grad_fn is None
+    (a.sum() + b.sum() + c.sum() + d.sum()).backward()
     assert seen == [torch.Size([3, 3])]
 
 
-def test_tied_weight_used_twice_sums_both_uses():
+def test_tied_weight_used_by_an_embedding_and_a_fused_linear_sums_both_uses():
     torch.manual_seed(3)
-    emb = nn.Embedding(7, 4)
+    emb, head = nn.Embedding(7, 4), nn.Linear(4, 7, bias=False)
+    head.weight = emb.weight  # an output layer tied to the embedding
+    model = nn.Sequential(emb, head)
     tokens = torch.tensor([[1, 2, 3], [3, 4, 6]])
 
     def run(fused):
-        emb.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+        fusion = FusedAccumulation(model, list(model.parameters()), min_weight_elements=0)
         for row in tokens:
-            context = FusedAccumulation([emb.weight]) if fused else torch.enable_grad()
-            with context:
-                logits = torch.nn.functional.linear(emb(row), emb.weight)  # an output layer tied to the embedding
+            with fusion if fused else torch.enable_grad():
+                logits = model(row)
+            assert _fused(logits) is fused
             logits.logsumexp(-1).sum().backward()
         return emb.weight.grad.clone()
 
@@ -92,12 +114,11 @@ def test_tied_weight_used_twice_sums_both_uses():
 
 @pytest.mark.parametrize("schedule,checkpoint", [("gpipe", "never"), ("1f1b", "always"), ("zb-h1", "never")])
 def test_pipeline_equals_the_single_device_step_with_and_without_fusion(schedule, checkpoint, monkeypatch):
-    from pipelab.runtime import fused_accumulation
-
     calls = []
     apply = fused_accumulation._LinearAccumulatingWeightGrad.apply
     monkeypatch.setattr(fused_accumulation._LinearAccumulatingWeightGrad, "apply",
                         lambda *args: calls.append(1) or apply(*args))
+    monkeypatch.setattr(fused_accumulation, "MIN_WEIGHT_ELEMENTS", 0)  # the test's 16 x 16 weights too
     loss_fn = nn.MSELoss()
     model = pl.models.mlp(depth=4, width=16, seed=0)
     x, y = pl.models.sample_batch(model, 10, seed=1)

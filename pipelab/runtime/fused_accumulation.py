@@ -11,25 +11,37 @@ the same on GPUs (`--gradient-accumulation-fusion`, a fused wgrad GEMM into `mai
 What it saves is that extra pass, against the product: for an n-row micro-batch of a
 d x d Linear, the pass touches 3 d^2 values, the product does 2 n d^2 flops.  On one CPU
 thread (Linear(1024, 1024), `benchmarks/vs_torch_pipelining.py`'s model) that is about
-0.3 ms against 0.2 ms at n = 8, and under 10 % of the product from n = 256.
+0.3 ms against 0.2 ms at n = 8, and under 10 % of the product from n = 256.  What it costs
+is a Python autograd function per Linear and micro-batch, some 20-40 us forward and
+backward: on small weights that is more than the pass.  Measured on one CPU thread (MLP of 4
+Linear(d, d) + GELU, 8 micro-batches of 8 rows, fused / plain step time): d = 256: 1.14,
+d = 512: 0.85, d = 1024: 0.76, d = 2048: 0.79.  Hence only weights of at least
+`MIN_WEIGHT_ELEMENTS` (512 x 512) are fused.
 
-Scope: only `F.linear` calls (every `nn.Linear`) whose weight is one of the stage's plain
-parameters (not a DTensor or other wrapper), that requires grad and carries no hooks.  The
-weight gets its gradient without an `AccumulateGrad` node, so tensor hooks on it would not
-run: such weights are left to plain autograd.  The bias (d values) stays with autograd.
-The result is the same sum, rounded once per micro-batch instead of twice: equal to plain
-autograd within float rounding (tested against it, `tests/test_fused_accumulation.py`).
+Scope: the `nn.Linear` modules of a stage (their own `forward`, not a subclass's) whose
+weight has at least `MIN_WEIGHT_ELEMENTS` elements and is a plain parameter (not a DTensor or other wrapper) that requires grad and carries
+no hooks.  The weight gets its gradient without an `AccumulateGrad` node, so tensor hooks on
+it would not run: such weights are left to plain autograd, and so is any `F.linear` called
+outside a Linear module (a tied output layer) and every bias.  The result is the same sum,
+rounded once per micro-batch instead of twice: equal to plain autograd within float
+rounding (tested against it, `tests/test_fused_accumulation.py`).
 
-Not for a split backward (zero bubble): there B must leave every weight gradient to W.
-PyTorch's autograd has no switch for this, hence the small autograd function below.
+How: while a stage's forward runs, each such Linear's `forward` is its fused version (an
+instance attribute, removed after), so nothing else in the forward pays for it.  Not for a
+split backward (zero bubble): there B must leave every weight gradient to W.  PyTorch's
+autograd has no switch for this, hence the small autograd function below.
 """
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
+from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+MIN_WEIGHT_ELEMENTS = 512 * 512  # smaller weights: the autograd function costs more than the pass it saves
 
 
 class _LinearAccumulatingWeightGrad(torch.autograd.Function):
@@ -63,21 +75,29 @@ def _fusable(weight) -> bool:
             and not getattr(weight, "_post_accumulate_grad_hooks", None))
 
 
-class FusedAccumulation(TorchFunctionMode):
-    """Inside `with FusedAccumulation(parameters):`, a Linear whose weight is among `parameters`
-    accumulates its weight gradient in the multiply (see the module docstring); everything else
-    runs unchanged."""
+def _fused_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    if not torch.is_grad_enabled() or not _fusable(linear.weight) or is_traceable_wrapper_subclass(x):
+        return F.linear(x, linear.weight, linear.bias)
+    return _LinearAccumulatingWeightGrad.apply(x, linear.weight, linear.bias)
 
-    def __init__(self, parameters):
-        super().__init__()
-        self.weights = {id(p) for p in parameters if _fusable(p)}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.linear and self.weights and torch.is_grad_enabled():
-            named = [kwargs.get("input"), kwargs.get("weight"), kwargs.get("bias")]
-            x, weight, bias = (list(args) + named[len(args):])[:3]
-            if (id(weight) in self.weights and isinstance(x, torch.Tensor) and x.dim() >= 1
-                    and not is_traceable_wrapper_subclass(x)):
-                return _LinearAccumulatingWeightGrad.apply(x, weight, bias)
-        return func(*args, **kwargs)
+class FusedAccumulation:
+    """`with FusedAccumulation(module, parameters):` the Linear layers of `module` whose weight is among
+    `parameters` (and qualifies, see the module docstring) accumulate their weight gradients in the
+    multiply.  Built once per stage; entered around each of its forwards."""
+
+    def __init__(self, module: nn.Module, parameters, min_weight_elements: int | None = None):
+        wanted = {id(p) for p in parameters}
+        smallest = MIN_WEIGHT_ELEMENTS if min_weight_elements is None else min_weight_elements
+        self.linears = [m for m in module.modules()
+                        if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+                        and id(m.weight) in wanted and m.weight.numel() >= smallest]
+
+    def __enter__(self) -> "FusedAccumulation":
+        for linear in self.linears:
+            linear.forward = partial(_fused_forward, linear)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for linear in self.linears:
+            linear.__dict__.pop("forward", None)

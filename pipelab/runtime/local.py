@@ -85,6 +85,7 @@ def attach_stashes(schedule: Schedule, workers: dict, optimizer: Callable | None
         raise PipelineError("an asynchronous schedule with W actions: weight stashing runs whole backwards only")
     for worker in workers.values():
         worker.stash = WeightStash(worker.module, optimizer, schedule.meta.get("update_every", 1))
+        worker.fusion = None  # F runs on the stashed version, whose gradients the stash moves itself
     return True
 
 

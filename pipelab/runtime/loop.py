@@ -39,6 +39,7 @@ from torch.func import functional_call
 from ..actions import Action
 from ..errors import PipelineError
 from . import stage as stage_ops
+from .fused_accumulation import FusedAccumulation
 from .memory_observer import MemoryObserver
 from .weight_stash import WeightStash
 
@@ -75,10 +76,11 @@ class StageWorker:
         self.index, self.module, self.bounds, self.n_stages = index, module, bounds, n_stages
         self.loss_fn, self.checkpoint, self.device, self.rank = loss_fn, checkpoint, device, rank
         self.split_backward = split_backward  # the schedule has W actions: B input gradient only, W the weights
-        # weight gradients added into .grad inside the multiply (runtime/fused_accumulation.py); not with a split
-        # backward, whose B must leave them to W
-        self.fused_accumulation = fused_accumulation and not split_backward
         self.parameters = list(module.parameters())
+        # weight gradients added into .grad inside the multiply (runtime/fused_accumulation.py); not with a split
+        # backward, whose B must leave them to W, nor with a weight stash (`attach_stashes` removes it)
+        self.fusion = (FusedAccumulation(module, self.parameters) if fused_accumulation and not split_backward
+                       else None)
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.free_outputs = True  # keep only the output's GradientEdge after F (stage.release_output)
         self.observer: MemoryObserver | None = None
@@ -120,7 +122,7 @@ class StageWorker:
                 loss_fn=self.loss_fn if self.is_last else None,
                 target=to_device(self.targets[i], self.device) if self.is_last else None,
                 weight=self.weights[i], checkpoint=self.checkpoint, keep=keep,
-                fused=self.fused_accumulation and self.stash is None,
+                fused=self.fusion,
             )
             self.kept[i], self.saved_bytes[i] = flight, flight.saved_bytes
             sent = flight.sent

@@ -102,11 +102,12 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
 def forward(stage: nn.Module, received: Any, parameters: list[torch.Tensor], is_first: bool,
             loss_fn: Callable | None = None, target: Any = None, weight: float = 1.0,
             checkpoint: bool = False, keep: Callable[[torch.Tensor], None] | None = None,
-            fused: bool = False) -> InFlight:
+            fused: FusedAccumulation | None = None) -> InFlight:
     """Run `stage` on `received`; on the last stage (loss_fn given) also the loss, times `weight`.
 
-    `fused`: the stage's Linear layers add their weight gradients into `.grad` inside the
-    multiply (`runtime/fused_accumulation.py`), in the forward and in a recomputation alike.
+    `fused` (the stage's `FusedAccumulation`): its Linear layers add their weight gradients into
+    `.grad` inside the multiply (`runtime/fused_accumulation.py`), in the forward and in a
+    recomputation alike.
 
     `keep(tensor)` is called on each tensor autograd saves (parameters left out), in the
     forward and in a checkpointed stage's recomputation; `keep(output, "output")` on the
@@ -120,7 +121,7 @@ def forward(stage: nn.Module, received: Any, parameters: list[torch.Tensor], is_
     def run(exclude: set = frozenset()) -> tuple[torch.Tensor, torch.Tensor | None, int]:
         counter = SavedBytesCounter(parameters, keep)
         counter.excluded |= exclude
-        with counter.hooks(), (FusedAccumulation(parameters) if fused else contextlib.nullcontext()):
+        with counter.hooks(), (fused if fused is not None else contextlib.nullcontext()):
             output = stage(inp)
             loss = None
             if loss_fn is not None:
