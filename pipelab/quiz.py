@@ -206,7 +206,8 @@ def predict(question: str, *, choices: list[str] | None = None, unit: str = "", 
 
 @dataclass(frozen=True)
 class Question:
-    """One multiple-choice question: `answer` is the index of the right option, `why` says why it is right."""
+    """One multiple-choice question: `answer` is the right option (its index, or its text, kept as the index),
+    `why` says why it is right."""
 
     text: str
     choices: list[str]
@@ -217,7 +218,7 @@ class Question:
         if not isinstance(self.text, str) or not self.text.strip():
             raise ValueError("a question needs its text (a non-empty string)")
         _check_choices(self.choices)
-        choice_index(self.answer, self.choices)
+        object.__setattr__(self, "answer", choice_index(self.answer, self.choices))  # frozen: set once here
 
 
 @dataclass

@@ -140,6 +140,13 @@ def test_quiz_checks_answers_in_the_kernel():
         check.check([1, 5])
 
 
+def test_question_answer_given_as_text_is_its_index():
+    check = pl.quiz.quiz([pl.quiz.Question("?", ["a", "b"], answer="b", why="b")])
+    assert check.questions[0].answer == 1
+    assert check.check([1]) == [True] and check.check(["a"]) == [False]
+    assert check.feedback([1]) == ["1. right: the answer is “b”. b"]
+
+
 def test_quiz_widget_check_button():
     check = _two_questions()
     box = check.widget
