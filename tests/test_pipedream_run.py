@@ -75,3 +75,11 @@ def test_stale_weights_differ_from_synchronous_training():
         torch.nn.MSELoss()(plain(x), y).backward()
         sgd.step()
     assert max((p - q).abs().max().item() for p, q in zip(model.parameters(), plain.parameters())) > 1e-4
+
+
+def test_minibatches_of_different_sizes_are_refused():
+    """The engine cuts the joined batch into equal micro-batches, so unequal minibatches would be re-split."""
+    model = pl.models.mlp(depth=2, width=4, seed=0)
+    xs, ys = [torch.randn(4, 4), torch.randn(3, 4)], [torch.randn(4, 4), torch.randn(3, 4)]
+    with pytest.raises(ValueError, match="same number of samples"):
+        train_async(model, 2, xs, ys, torch.nn.MSELoss(), lambda ps: torch.optim.SGD(ps, lr=0.1))
