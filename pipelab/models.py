@@ -71,19 +71,22 @@ class TransformerBlock(nn.Module):
         if d_model % n_heads:
             raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         self.n_heads = n_heads
+        self.head_dim = d_model // n_heads
         self.ln1, self.ln2 = nn.LayerNorm(d_model), nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
         self.proj = nn.Linear(d_model, d_model)
         self.mlp = nn.Sequential(nn.Linear(d_model, 4 * d_model), nn.GELU(), nn.Linear(4 * d_model, d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, d_model = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d_model, dim=-1)
-        q, k, v = (t.view(batch, seq, self.n_heads, -1).transpose(1, 2) for t in (q, k, v))
-        scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+        # heads counted from qkv's output (3 · heads · head_dim), not from n_heads: the same code runs
+        # the H/t heads a tensor-parallel rank holds (`runtime/tp_plans.py`)
+        batch, seq, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
         causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
         attention = scores.masked_fill(causal, float("-inf")).softmax(dim=-1) @ v
-        x = x + self.proj(attention.transpose(1, 2).reshape(batch, seq, d_model))
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, seq, -1))
         return x + self.mlp(self.ln2(x))
 
 

@@ -16,9 +16,10 @@ pl.models' blocks come with their plans (`default_plans`):
 - `TransformerBlock`: qkv column-parallel with whole heads per rank, proj row-parallel,
   mlp.0 column-parallel, mlp.2 row-parallel.  `parallelize_module` shards qkv's rows into
   contiguous slices, but qkv fuses [q | k | v]: a contiguous slice is not "this rank's
-  heads of q, k and v".  pipelab therefore reorders qkv's rows first (`head_grouped_rows`)
-  and runs the block with a forward that takes the heads it holds (`local_heads_forward`):
-  the two things written by hand, because the API has no style for a fused projection.
+  heads of q, k and v".  pipelab therefore reorders qkv's rows first (`head_grouped_rows`,
+  written by hand because the API has no style for a fused projection);
+  `TransformerBlock.forward` counts its heads from qkv's output, so it runs the H/t heads a
+  rank holds unchanged, and the row-parallel proj adds the ranks' partial outputs.
   `HybridPipeline.gradients()` puts the rows back in the model's order.
 - `mlp`'s blocks are Linear + GELU, one Linear each, so a Megatron pair is two consecutive
   blocks: pipelab pairs the blocks *inside each stage* (first column-parallel, second
@@ -31,8 +32,6 @@ A user's model passes `tensor_parallel_plan=fn`, `fn(block)` returning a plan (o
 
 from __future__ import annotations
 
-import math
-import types
 from typing import Any, Callable
 
 import torch
@@ -48,7 +47,7 @@ def _styles():
     return ColwiseParallel, RowwiseParallel
 
 
-def transformer_block_plan(block: TransformerBlock) -> dict:
+def transformer_block_plan() -> dict:
     """Megatron's split of a transformer layer: heads across ranks, then the MLP's hidden units."""
     colwise, rowwise = _styles()
     return {"qkv": colwise(), "proj": rowwise(), "mlp.0": colwise(), "mlp.2": rowwise()}
@@ -74,7 +73,7 @@ def default_plans(blocks: list[nn.Module]) -> list[Any]:
     while k < len(blocks):
         block = blocks[k]
         if isinstance(block, TransformerBlock):
-            plans[k] = transformer_block_plan(block)
+            plans[k] = transformer_block_plan()
         elif _is_linear_block(block) and k + 1 < len(blocks) and _is_linear_block(blocks[k + 1]):
             plans[k], plans[k + 1] = _linear_plan(block, colwise()), _linear_plan(blocks[k + 1], rowwise())
             k += 1
@@ -92,24 +91,11 @@ def plans_for_stage(blocks: list[nn.Module], plan_fn: Callable | None) -> list[A
     return [plan_fn(block) for block in blocks]
 
 
-def head_grouped_rows(d_model: int, n_heads: int, tp: int) -> torch.Tensor:
+def head_grouped_rows(d_model: int, tp: int) -> torch.Tensor:
     """The order of qkv's rows that gives tensor-parallel rank r, in one contiguous slice, the rows of
     q, k and v for its heads r·H/t .. (r+1)·H/t − 1:  [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]."""
     width = d_model // tp  # rows of q (or k, or v) per rank: H/t heads of d_model/H rows
     return torch.cat([c * d_model + torch.arange(r * width, (r + 1) * width) for r in range(tp) for c in range(3)])
-
-
-def local_heads_forward(self: TransformerBlock, x: torch.Tensor) -> torch.Tensor:
-    """`TransformerBlock.forward` on the heads this rank holds (qkv's rows head-grouped, column-parallel):
-    the same arithmetic, with H/t heads; the row-parallel proj adds the ranks' partial outputs."""
-    batch, seq, _ = x.shape
-    q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
-    q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-    scores = q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
-    attention = scores.masked_fill(causal, float("-inf")).softmax(dim=-1) @ v
-    x = x + self.proj(attention.transpose(1, 2).reshape(batch, seq, -1))
-    return x + self.mlp(self.ln2(x))
 
 
 def apply(block: nn.Module, plan: Any, tp_mesh, where: str) -> dict[str, torch.Tensor]:
@@ -126,13 +112,11 @@ def apply(block: nn.Module, plan: Any, tp_mesh, where: str) -> dict[str, torch.T
         if block.n_heads % tp:
             raise PipelineError(f"{where}: tensor_parallel={tp} must divide the block's {block.n_heads} attention "
                                 "heads (each rank takes whole heads)")
-        order = head_grouped_rows(d_model, block.n_heads, tp)
+        order = head_grouped_rows(d_model, tp)
         with torch.no_grad():
             block.qkv.weight.copy_(block.qkv.weight[order])
             block.qkv.bias.copy_(block.qkv.bias[order])
         orders = {"qkv.weight": order, "qkv.bias": order}
-        block.head_dim = d_model // block.n_heads
-        block.forward = types.MethodType(local_heads_forward, block)
     try:
         parallelize_module(block, tp_mesh, plan)
     except Exception as error:
