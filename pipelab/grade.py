@@ -285,8 +285,9 @@ def _first_failure(outcomes: list[TestOutcome], impl: str, seed: int | None = No
     happened = first.message.removeprefix("AssertionError: ").splitlines()
     if happened and first.property and happened[0].strip() == first.property:
         happened = happened[1:]
-    if first.property and "assert " in "".join(happened):  # pytest's rendering of the assert
-        happened = happened[: next(i for i, line in enumerate(happened) if line.startswith("assert "))]
+    if first.property:  # cut pytest's rendering of the assert, from its "assert ..." line on
+        asserts = (i for i, line in enumerate(happened) if line.startswith("assert "))
+        happened = happened[: next(asserts, len(happened))]
     if happened:
         lines.append("      what happened:")
         lines += [f"        {line}" for line in textwrap.dedent("\n".join(happened)).splitlines()]

@@ -213,6 +213,22 @@ def test_grade_names_the_broken_property_and_the_failing_example(tmp_path, capsy
     assert "test_bottleneck_is_the_smallest_possible" in out and "--hypothesis-seed=" in out, out
 
 
+@pytest.mark.parametrize("message", ["ValueError: cannot assert shapes", "RuntimeError: device-side assert triggered"])
+def test_first_failure_keeps_a_message_that_says_assert_mid_line(message):
+    """Only a line that starts with "assert " is pytest's rendering of the assert; a
+    learner's own error may say "assert" anywhere else, and is shown whole."""
+    failed = grade.TestOutcome("tests/tasks/test_task1_1.py::test_x", "1.1", "failed", message=message, property="x")
+    lines = grade._first_failure([failed], "exercises")
+    assert f"        {message}" in lines, lines
+
+
+def test_first_failure_cuts_pytests_rendering_of_the_assert():
+    message = "AssertionError: x\n  got 3, expected 2\nassert 3 == 2\n +  where 3 = f()"
+    failed = grade.TestOutcome("tests/tasks/test_task1_1.py::test_x", "1.1", "failed", message=message, property="x")
+    lines = grade._first_failure([failed], "exercises")
+    assert "        got 3, expected 2" in lines and not any("assert 3 == 2" in line for line in lines), lines
+
+
 WRONG_ON_SEVEN_LAYERS_ON_TWO_STAGES = """
 from solutions.partition import balanced_bounds as right_answer
 
