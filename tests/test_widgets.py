@@ -10,7 +10,7 @@ from PIL import Image
 
 import pipelab as pl
 from pipelab.throttle import Throttle
-from pipelab.widgets import ExplorerPanels, explorer, explorer_view, run_for_real
+from pipelab.widgets import ExplorerPanels, _png, explorer, explorer_figures, explorer_view, run_for_real
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -84,13 +84,14 @@ def pixels(png: bytes):
 
 
 def test_kept_figures_draw_exactly_what_new_ones_draw():
-    """The explorer empties and redraws two kept figures; any leftover (a line, a colour bar, stale
-    limits, a tick) would show against figures drawn once from nothing."""
+    """The explorer empties and redraws two kept figures over a pasted backdrop; any leftover (a line,
+    a colour bar, stale limits, a tick) or a backdrop fault would show against new pyplot figures
+    drawn once from nothing, without the panels (`explorer_figures`)."""
     kept = ExplorerPanels(cached=0)  # every picture drawn (the same p twice in a row: over the backdrop)
     for p, m, budget in [(16, 64, None), (16, 63, None), (4, 8, None), (12, 32, 3.0), (12, 31, 3.0), (4, 8, 2.0),
                          (4, 5, None), (1, 1, None), (16, 63, 5.0), (16, 64, None)]:
         view = explorer_view(p, m, memory_budget=budget)
-        for again, anew in zip(kept.pictures(view), ExplorerPanels().pictures(view)):
+        for again, anew in zip(kept.pictures(view), [_png(figure) for figure in explorer_figures(view)]):
             assert np.array_equal(pixels(again), pixels(anew)), (p, m, budget)
 
 
