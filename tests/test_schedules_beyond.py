@@ -8,6 +8,7 @@ Costs are uniform per stage; an interleaved chunk costs 1/v of a whole stage.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -174,15 +175,16 @@ def test_zero_bubble_h1_peak_activations_equal_1f1b():
 
 
 def test_pipedream_versions_follow_the_stashing_rule():
-    """F(s, i) sees the updates of the backwards before it in stage s's 1F1B list: none in
-    the warm-up of w = p - s - 1 forwards, then one per steady-state pair, max(0, i - w);
-    B(s, i) reuses F(s, i)'s version."""
-    for p, m in GRID:
-        versions = weight_versions(schedules.pipedream_async(p, m))
+    """F(s, i) sees the backwards before it in stage s's 1F1B list: none in the warm-up of
+    w = p - s - 1 forwards, then one per steady-state pair, max(0, i - w), and one update per
+    k of them, version max(0, i - w) // k (the closed form tests/test_pipedream_run.py's
+    reference uses); B(s, i) reuses F(s, i)'s version."""
+    for (p, m), k in itertools.product(GRID, (1, 2, 3)):
+        versions = weight_versions(schedules.pipedream_async(p, m, k))
         for s in range(p):
             w = p - s - 1
             for i in range(m):
-                assert versions[Action("F", s, i)] == versions[Action("B", s, i)] == max(0, i - w), (p, m, s, i)
+                assert versions[Action("F", s, i)] == versions[Action("B", s, i)] == max(0, i - w) // k, (p, m, k, s, i)
 
 
 def test_pipedream_holds_p_minus_s_versions_on_stage_s():
