@@ -33,7 +33,7 @@ import time
 import torch
 
 import pipelab as pl
-from pipelab.runtime.comm_count import ring_all_reduce_bytes
+from pipelab.communication import ring_allreduce_elements_per_device
 from pipelab.runtime.comm_formulas import expected_communication
 
 MODELS = {"mlp": dict(batch=64), "gpt": dict(batch=16)}
@@ -106,7 +106,7 @@ def main() -> None:
             expected = expected_communication(model, layout, rank, MODELS[kind]["batch"], MICROBATCHES,
                                               first["bounds"])
             formula = {k: formula[k] + 4 * expected[k]["elements"] for k in KINDS}  # float32
-        wire = ring_all_reduce_bytes(counted["dp"], layout.dp)
+        wire = ring_allreduce_elements_per_device(counted["dp"], layout.dp)  # bytes in, bytes out
         params = max(rank[kind, layout]["parameter_bytes"] for rank in per_rank)
         loss_error = abs(first["loss"] - single_device_loss(kind))
         cells = " | ".join(f"{counted[k]:>11,}/{formula[k]:<11,}" for k in KINDS)

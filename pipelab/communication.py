@@ -14,8 +14,9 @@ comparison of tensor and pipeline model parallelism):
 
 Parameters of a transformer layer: 12·h² (4h² attention, 8h² MLP with a 4h hidden layer;
 biases and layer norms left out), so two models of the same size trade depth for width:
-L₁·h₁² = L₂·h₂².  Nothing here is measured: these are the formulas, to set beside lesson
-08's counted bytes once it exists.
+L₁·h₁² = L₂·h₂².  Nothing here is measured: these are the formulas.  Lesson 08 counts the
+bytes of real steps (`pl.hybrid_lesson.run_layouts`, beside the per-rank closed forms of
+`runtime/comm_formulas.py`), and `pl.hybrid_costs` prices these volumes on links.
 """
 
 from __future__ import annotations
@@ -34,19 +35,30 @@ def pipeline_elements_per_device(batch: int, seq_len: int, hidden: int, n_stages
     The most any stage sends: 2·b·s·h for a middle stage when p >= 3, b·s·h when p = 2, 0 when p = 1.
     """
     elements = _positive(batch, "batch") * _positive(seq_len, "seq_len") * _positive(hidden, "hidden")
-    n_stages = _positive(n_stages, "n_stages")
-    return elements * min(2, n_stages - 1)
+    return pipeline_sent(elements, n_stages)
+
+
+def pipeline_sent(activation: float, n_stages: int) -> float:
+    """What the busiest of p stages sends per micro-batch, A the activation at a boundary (elements or
+    bytes, the same unit out): A·min(2, p−1), the activation forward and its gradient back."""
+    return activation * min(2, _positive(n_stages, "n_stages") - 1)
 
 
 def tensor_parallel_elements_per_device(batch: int, seq_len: int, hidden: int, n_layers: int, tp: int) -> float:
     """Elements one device sends per micro-batch: 4 all-reduces of b·s·h per layer, 2·(t−1)/t of each: 8·b·s·h·L·(t−1)/t."""
     elements = _positive(batch, "batch") * _positive(seq_len, "seq_len") * _positive(hidden, "hidden")
-    tp = _positive(tp, "tp")
-    return 4 * _positive(n_layers, "n_layers") * ring_allreduce_elements_per_device(elements, tp)
+    return tensor_parallel_sent(elements, _positive(n_layers, "n_layers"), tp)
+
+
+def tensor_parallel_sent(activation: float, n_layers: int, tp: int) -> float:
+    """What each of t ranks sends per micro-batch for L Megatron layers, A the activation (elements or
+    bytes, the same unit out): 4 ring all-reduces of A per layer (2 forward, 2 backward), 4·L·2·(t−1)/t·A."""
+    return 4 * n_layers * ring_allreduce_elements_per_device(activation, _positive(tp, "tp"))
 
 
 def ring_allreduce_elements_per_device(n_elements: int, n_devices: int) -> float:
-    """A ring all-reduce (reduce-scatter, then all-gather) sends 2·(n−1)/n·N elements from each device."""
+    """A ring all-reduce (reduce-scatter, then all-gather) sends 2·(n−1)/n·N elements from each device
+    (Patarasuk & Yuan 2009; ZeRO, Rajbhandari et al. 2020, §7.1); linear in N, so bytes in give bytes out."""
     return 2 * (n_devices - 1) / n_devices * n_elements
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .communication import pipeline_sent, ring_allreduce_elements_per_device, tensor_parallel_sent
 from .costs import Costs
 from .layout import Layout
 from .schedules import by_name
@@ -57,15 +58,11 @@ class Prediction:
 
 
 def all_reduce_seconds(payload_bytes: float, n_ranks: int, link: Link) -> float:
-    """Ring all-reduce: 2·(n−1)/n · N / bandwidth + 2·(n−1) · latency; 0 for one rank."""
+    """Ring all-reduce: 2·(n−1)/n · N / bandwidth + 2·(n−1) · latency (2(n−1) steps); 0 for one rank."""
     if n_ranks <= 1:
         return 0.0
-    return 2 * (n_ranks - 1) / n_ranks * payload_bytes / link.bandwidth + 2 * (n_ranks - 1) * link.latency
-
-
-def _ring_share(n_ranks: int) -> float:
-    """Bytes each rank sends per byte all-reduced on a ring: 2·(n−1)/n."""
-    return 2 * (n_ranks - 1) / n_ranks if n_ranks > 1 else 0.0
+    wire = ring_allreduce_elements_per_device(payload_bytes, n_ranks)  # bytes each rank sends
+    return wire / link.bandwidth + 2 * (n_ranks - 1) * link.latency
 
 
 def cluster_links(layout: Layout, gpus_per_node: int, inside: tuple[float, float],
@@ -91,8 +88,7 @@ def predict(layout: Layout, model: ModelCosts, links: dict[str, Link], n_microba
     pipeline = simulate(by_name(schedule, p, n_microbatches), costs).makespan
     rank_parameters = model.parameter_bytes / (p * t)
     dp = all_reduce_seconds(rank_parameters, d, links["dp"])
-    directions = min(p - 1, 2)  # a middle stage sends activations forward and gradients back; an end stage one way
-    sent = {"pp": directions * n_microbatches * model.activation_bytes / t,
-            "tp": n_microbatches * layers * 4 * _ring_share(t) * model.activation_bytes,
-            "dp": _ring_share(d) * rank_parameters}
+    sent = {"pp": n_microbatches * pipeline_sent(model.activation_bytes / t, p),
+            "tp": n_microbatches * tensor_parallel_sent(model.activation_bytes, layers, t),
+            "dp": ring_allreduce_elements_per_device(rank_parameters, d)}
     return Prediction(pipeline + dp, pipeline, dp, rank_parameters, sent)

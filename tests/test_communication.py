@@ -2,7 +2,8 @@
 
 import pytest
 
-from pipelab.communication import (layout_bytes, pipeline_elements_per_device, ring_allreduce_elements_per_device,
+from pipelab.communication import (layout_bytes, pipeline_elements_per_device, pipeline_sent,
+                                   ring_allreduce_elements_per_device, tensor_parallel_sent,
                                    tensor_parallel_elements_per_device, transformer_layer_parameters)
 
 
@@ -65,3 +66,12 @@ def test_bad_sizes_are_named():
         layout_bytes("x", 4, 0, 4, 1, 16)
     with pytest.raises(ValueError, match="n_stages"):
         pipeline_elements_per_device(1, 1, 1, 0)
+
+
+def test_the_activation_forms_take_any_unit():
+    # bytes in, bytes out: 4-byte elements give 4 times the elements' formulas
+    b, s, h = 2, 16, 8
+    assert pipeline_sent(4 * b * s * h, 3) == 4 * pipeline_elements_per_device(b, s, h, 3)
+    assert tensor_parallel_sent(4 * b * s * h, 6, 4) == pytest.approx(
+        4 * tensor_parallel_elements_per_device(b, s, h, 6, 4))
+    assert tensor_parallel_sent(1.0, 1, 2) == 4 * 1.0  # 4 all-reduces, each sending half twice

@@ -46,4 +46,8 @@ def test_links_follow_the_mesh_and_tensor_parallelism_across_nodes_loses():
     steps = {str(layout): predict(layout, GPT, cluster_links(layout, 8, inside, between), 8).step_seconds
              for layout in (pl.Layout(pp=2, tp=8), pl.Layout(tp=16), pl.Layout(pp=16))}
     assert steps["dp=1 pp=2 tp=8"] < steps["dp=1 pp=1 tp=16"]  # TP over the slow link loses
-    assert predict(pl.Layout(pp=4, tp=4), MODEL, FREE, 8).bytes_per_device["pp"] == 2 * 8 * 1e6 / 4
+    sent = predict(pl.Layout(dp=2, pp=4, tp=4), MODEL, FREE, 8).bytes_per_device
+    assert sent["pp"] == 2 * 8 * 1e6 / 4
+    # 8 micro-batches · 16/4 layers · 4 all-reduces of 1 MB, each sending 2·3/4 of it; Ψ/16 all-reduced over 2
+    assert sent["tp"] == pytest.approx(8 * 4 * 4 * 1.5 * 1e6)
+    assert sent["dp"] == pytest.approx(8e9 / 16)

@@ -16,7 +16,7 @@ its group (and op):
 
 A record's bytes are the payload the call was given (the input tensor of a collective, the
 sent tensor of a send), not what the algorithm puts on the wire: a ring all-reduce of N
-bytes sends 2·(d−1)/d·N bytes from each of d ranks (`ring_all_reduce_bytes`).
+bytes sends 2·(d−1)/d·N bytes from each of d ranks (`pl.communication.ring_allreduce_elements_per_device`).
 """
 
 from __future__ import annotations
@@ -92,15 +92,16 @@ class CommunicationCounter(TorchDispatchMode):
     a group (a frozenset) to a kind; a group of one rank moves nothing and counts as "other"."""
 
     def __init__(self, group_kinds: dict[frozenset, str]):
+        from torch.distributed.tensor import DTensor  # once per counter (not per op), and only when counting
+
         super().__init__()
         self.group_kinds = dict(group_kinds)
         self.records: list[Record] = []
+        self._dtensor = DTensor
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from torch.distributed.tensor import DTensor
-
         kwargs = kwargs or {}
-        if any(issubclass(t, DTensor) for t in types):
+        if any(issubclass(t, self._dtensor) for t in types):
             return NotImplemented  # let DTensor turn the op into local ops and collectives, seen next
         namespace = getattr(func, "namespace", "")
         if namespace in ("c10d", "_c10d_functional", "c10d_functional"):
@@ -132,9 +133,3 @@ class CommunicationCounter(TorchDispatchMode):
             found[record.kind]["elements"] += record.elements
         return {kind: {key: found[kind][key] for key in ("messages", "bytes", "elements")} for kind in KINDS}
 
-
-def ring_all_reduce_bytes(payload_bytes: float, n_ranks: int) -> float:
-    """Bytes each rank sends in a ring all-reduce of `payload_bytes`: 2·(n−1)/n · payload
-    (a reduce-scatter then an all-gather, each (n−1)/n of the data; ZeRO, Rajbhandari et al.
-    2020, §7.1: "2Ψ" per step for data parallelism with Ψ gradient elements)."""
-    return 0.0 if n_ranks <= 1 else 2 * (n_ranks - 1) / n_ranks * payload_bytes

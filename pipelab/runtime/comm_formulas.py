@@ -15,7 +15,7 @@ MLP: the width of that boundary).  In elements, per step:
   skipped for the model's first pair, whose input (the data) needs no gradient.
 - "dp" (d > 1; ZeRO, Rajbhandari et al. 2020 §7.1): one all-reduce of Ψ_rank, the
   parameter elements this rank holds (a sharded tensor counts 1/t); a ring puts
-  2·(d−1)/d·Ψ_rank on the wire per rank (`comm_count.ring_all_reduce_bytes`).
+  2·(d−1)/d·Ψ_rank on the wire per rank (`pl.communication.ring_allreduce_elements_per_device`).
 """
 
 from __future__ import annotations
