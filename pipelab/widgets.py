@@ -29,6 +29,10 @@ REAL_RUN_LIMITS = {"n_devices": 8, "n_microbatches": 16}
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream-async")
 """The explorer's schedule menu."""
 
+READS = {"interleaved-1f1b": ("n_chunks", "v={}"), "zb-h1": ("weight_share", "t_W share {:g}")}
+"""The schedules that read one more slider: its name (an `explorer_view` argument and a control),
+and how a real run's label shows its value.  The others ignore both sliders (disabled for them)."""
+
 
 # Memory in the explorer is counted in units of one micro-batch's activations on one stage;
 # a stage's input (all that checkpointing keeps) is a fraction of that.
@@ -127,7 +131,8 @@ def explorer_view(n_devices: int, n_microbatches: int, schedule: str = "1f1b", b
     costs = explorer_costs(schedule, backward_ratio, latency, n_chunks, weight_share)
     trace = simulate(table, costs, checkpoint=checkpoint)
     formula, formula_text = explorer_formula(schedule, n_devices, n_microbatches, costs, n_chunks)
-    shaping = {"interleaved-1f1b": n_chunks, "zb-h1": weight_share}.get(schedule)  # what only that schedule reads
+    read = READS.get(schedule)
+    shaping = {"n_chunks": n_chunks, "weight_share": weight_share}[read[0]] if read else None
     inputs = (n_devices, n_microbatches, schedule, backward_ratio, latency, checkpoint, shaping, memory_budget or None)
     view = ExplorerView(trace, formula, memory_budget, inputs, formula_text)
     if table.meta.get("asynchronous"):
@@ -452,19 +457,18 @@ def explorer(n_devices: int = 4, n_microbatches: int = 8, schedule: str = "1f1b"
 
     def update(_=None):  # cheap: a drag sends many values; the throttled draw simulates the latest
         box.forget_view()
-        chosen = controls["schedule"].value  # the sliders only one schedule reads
-        controls["n_chunks"].disabled = chosen != "interleaved-1f1b"
-        controls["weight_share"].disabled = chosen != "zb-h1"
+        read = READS.get(controls["schedule"].value, ("",))[0]
+        for name, _ in READS.values():  # the sliders only one schedule reads
+            controls[name].disabled = name != read
         show_real_run()
         box.pictures()
 
     def real_key() -> tuple:
         """(p, m, schedule) of the sliders, the schedule with what else a real run of it depends on."""
         schedule = controls["schedule"].value
-        if schedule == "interleaved-1f1b":
-            schedule += f" (v={controls['n_chunks'].value})"
-        elif schedule == "zb-h1":
-            schedule += f" (t_W share {controls['weight_share'].value:g})"
+        if schedule in READS:
+            name, shown = READS[schedule]
+            schedule += f" ({shown.format(controls[name].value)})"
         return controls["n_devices"].value, controls["n_microbatches"].value, schedule
 
     def show_real_run():
