@@ -50,6 +50,19 @@ def test_updating_every_two_backwards(impl):
     assert [versions[("F", 0, i)] for i in range(4)] == [0, 0, 1, 1]
 
 
+def test_updating_every_two_backwards_holds_fewer_versions_in_flight(impl):
+    # 1F1B, p = 3, m = 5, an update after every second B.  Stage 0 (F0 F1 F2 B0 F3 B1 F4 B2
+    # B3 B4): F0..F3 stash version 0; the update after B1 makes live 1, so F4 stashes 1;
+    # at most {0, 1} at once (after B1: F2, F3 on 0, live 1; after B3: F4 on 1, live 2): 2.
+    # Stage 1 (F0 F1 B0 F2 B1 F3 B2 F4 B3 B4): after B1, F2 on 0 and live 1; after B3, F4
+    # on 1 and live 2: 2.  Stage 2 (F B pairs) never holds a stash past its B: 1.  With an
+    # update after every B, stage 0 would hold 3 (after B1: F2 on 0, F3 on 1, live 2).
+    found = module(impl).versions_in_flight(one_f_one_b_table(3, 5), update_every=2)
+    assert found == [2, 2, 1], (
+        "1F1B order, p=3, m=5, update_every=2: the live weights move after every second B only, "
+        f"so the stages hold [2, 2, 1] versions at most; got {found}")
+
+
 def test_several_stages_on_one_device_count_their_own_updates(impl):
     table = [[("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("B", 0, 0), ("B", 0, 1)]]
     versions = module(impl).weight_versions(table)

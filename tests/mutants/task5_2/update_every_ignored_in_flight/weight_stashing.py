@@ -1,0 +1,70 @@
+"""Mutant of Task 5.2: versions_in_flight ignores update_every: it counts an update after every B
+(as with update_every=1), so it finds more versions in flight than a stage holds.
+"""
+
+from __future__ import annotations
+
+
+def weight_versions(table: list[list[tuple[str, int, int]]], update_every: int = 1) -> dict[tuple[str, int, int], int]:
+    """The weight version every F and B of `table` runs with (PipeDream, SOSP 2019, §3.3).
+
+    `table[d]` is device d's ordered list of ``(kind, stage, microbatch)`` with kinds "F"
+    and "B" (one training run without a flush, e.g. 1F1B's order).  For each stage s, in
+    the order of its device's list:
+
+    - the stage's live weights start at version 0;
+    - F(s, i) runs with the live version and stashes it;
+    - B(s, i) runs with the version F(s, i) stashed (not the live one: weight stashing);
+    - after every `update_every`-th B of stage s, its optimizer updates the live weights:
+      the version goes up by one.
+
+    Returns {(kind, stage, microbatch): version} for every action; the table is not changed.
+
+    >>> weight_versions([[("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("B", 0, 2)]])
+    {('F', 0, 0): 0, ('F', 0, 1): 0, ('B', 0, 0): 0, ('F', 0, 2): 1, ('B', 0, 1): 0, ('B', 0, 2): 1}
+
+    Raises:
+        ValueError: if ``update_every < 1``, or a B comes before its F in its list.
+    """
+    if update_every < 1:
+        raise ValueError(f"update_every must be at least 1, got {update_every}")
+    versions = {}
+    for row in table:
+        live, backwards = {}, {}
+        for kind, stage, mb in row:
+            if kind == "F":
+                versions[(kind, stage, mb)] = live.get(stage, 0)
+            else:
+                if ("F", stage, mb) not in versions:
+                    raise ValueError(f"B({stage}, {mb}) runs before its forward F({stage}, {mb})")
+                versions[(kind, stage, mb)] = versions[("F", stage, mb)]
+                backwards[stage] = backwards.get(stage, 0) + 1
+                if backwards[stage] % update_every == 0:
+                    live[stage] = live.get(stage, 0) + 1
+    return versions
+
+
+def versions_in_flight(table: list[list[tuple[str, int, int]]], update_every: int = 1) -> list[int]:
+    """Per stage, the most weight versions it must keep at once: its live weights plus every
+    version stashed by a micro-batch whose F has run and whose B has not, counted after each
+    action of its list.  1F1B's order with update_every=1 and m >= 2p - 1 micro-batches:
+    p - s on stage s (PipeDream's p - s stashed versions).  The table is not changed.
+
+    >>> versions_in_flight([[("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("B", 0, 2)],
+    ...                     [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2)]])
+    [2, 1]
+    """
+    versions = weight_versions(table)
+    n_stages = 1 + max((stage for row in table for _, stage, _ in row), default=-1)
+    peak = [0] * n_stages
+    for row in table:
+        live, backwards, held = {}, {}, {}
+        for kind, stage, mb in row:
+            stash = held.setdefault(stage, {})
+            if kind == "F":
+                stash[mb] = versions[(kind, stage, mb)]
+            else:
+                del stash[mb]
+                live[stage] = live.get(stage, 0) + 1
+            peak[stage] = max(peak[stage], len(set(stash.values()) | {live.get(stage, 0)}))
+    return peak
