@@ -58,10 +58,10 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..actions import Action
 from ..trace import MemorySample
+from .stage import _plain_tensors
 
 REASONS = ("saved", "input", "output", "gradient", "received")
 """Why a stage keeps a storage, strongest first: saved by autograd for backward; the stage's input
@@ -75,7 +75,8 @@ class MemoryObserver:
 
     def __init__(self, device_of_stage: dict[int, int], excluded: list[torch.Tensor] = ()):
         self.device_of_stage = device_of_stage
-        self.excluded = {q for t in excluded for q in _data_pointers(t)}  # parameters: not activations
+        # parameters: not activations (autograd's saved tensors come already without them, `stage.SavedBytesCounter`)
+        self.excluded = {plain.untyped_storage().data_ptr() for t in excluded for plain in _plain_tensors(t)}
         # the changes, in four flat lists of numbers (nothing for the cyclic GC to track and collect
         # in the middle of an action): host seconds, device, +bytes or -bytes, reason index
         self.times: list[float] = []
@@ -110,28 +111,24 @@ class MemoryObserver:
     def _keep(self, stage: int, tensor: Any, why: str, now: float) -> None:
         if not isinstance(tensor, torch.Tensor):
             return
-        if is_traceable_wrapper_subclass(tensor):  # a DTensor: its memory is the tensors it wraps
-            names, _ = tensor.__tensor_flatten__()
-            for name in names:
-                self._keep(stage, getattr(tensor, name), why, now)
-            return
-        storage = tensor.untyped_storage()
-        pointer = storage.data_ptr()
-        if pointer == 0 or pointer in self.excluded:  # no bytes (empty, or on the meta device), or a parameter
-            return
         device, reason = self.device_of_stage[stage], REASON_INDEX[why]
-        key = (pointer, device)
-        if key in self.refs:
-            old = self.reason[key]
-            if reason < old:  # the same bytes, now for a stronger reason
-                self._change(now, device, -self.size[key], old)
-                self._change(now, device, self.size[key], reason)
-                self.reason[key] = reason
-            return
-        nbytes = storage.nbytes()
-        self._change(now, device, nbytes, reason)
-        ref = weakref.ref(storage, self.freed_callback)
-        self.refs[key], self.reason[key], self.size[key], self.key_of[id(ref)] = ref, reason, nbytes, key
+        for plain in _plain_tensors(tensor):  # a DTensor: its memory is the tensors it wraps
+            storage = plain.untyped_storage()
+            pointer = storage.data_ptr()
+            if pointer == 0 or pointer in self.excluded:  # no bytes (empty, or on the meta device), or a parameter
+                continue
+            key = (pointer, device)
+            if key in self.refs:
+                old = self.reason[key]
+                if reason < old:  # the same bytes, now for a stronger reason
+                    self._change(now, device, -self.size[key], old)
+                    self._change(now, device, self.size[key], reason)
+                    self.reason[key] = reason
+                continue
+            nbytes = storage.nbytes()
+            self._change(now, device, nbytes, reason)
+            ref = weakref.ref(storage, self.freed_callback)
+            self.refs[key], self.reason[key], self.size[key], self.key_of[id(ref)] = ref, reason, nbytes, key
 
     def _change(self, now: float, device: int, delta: int, reason: int) -> None:
         self.times.append(now)
@@ -223,12 +220,3 @@ def observed_breakdown(placed: list[tuple], n_devices: int) -> list[dict[str, in
             peak[device], at_peak[device] = level[device], list(by_reason[device])
     return [{why: b for why, b in zip(REASONS, parts) if b} for parts in at_peak]
 
-
-def _data_pointers(tensor: Any) -> list[int]:
-    """The data pointers of the storages behind `tensor` (a DTensor's are those of the tensors it wraps)."""
-    if not isinstance(tensor, torch.Tensor):  # a wrapper's other fields (a DTensor's mesh)
-        return []
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        return [q for name in names for q in _data_pointers(getattr(tensor, name))]
-    return [tensor.untyped_storage().data_ptr()]
