@@ -127,9 +127,9 @@ class Costs:
 
 
 def check_repeats(repeats) -> int:
-    """`repeats` of a timed profile: a positive int."""
+    """`repeats` of a timed run (a profile, `fastest_step`): a positive int."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int (the profile keeps the fastest run), got {repeats!r}")
+        raise ValueError(f"repeats must be a positive int (the fastest run is kept), got {repeats!r}")
     return repeats
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .costs import check_repeats
 from .trace import Trace
 
 
@@ -20,8 +21,7 @@ def fastest_step(pipe, inputs: Any, targets: Any, repeats: int = 3, warm_up: boo
     model's gradients are zeroed before every step, so afterwards `.grad` holds exactly one
     step's gradients, as after a single `pipe.step`.
     """
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    check_repeats(repeats)
     if warm_up:
         pipe.model.zero_grad(set_to_none=True)
         pipe.step(inputs, targets)

@@ -44,5 +44,5 @@ def test_gradients_are_one_steps_not_the_sum_of_the_repeats():
 
 @pytest.mark.parametrize("repeats", [0, -1, 1.5, True])
 def test_bad_repeats(repeats):
-    with pytest.raises(ValueError, match="repeats"):
+    with pytest.raises(ValueError, match="repeats must be a positive int"):
         fastest_step(ScriptedPipe([1.0]), None, None, repeats=repeats)
