@@ -36,7 +36,6 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from hypothesis import settings
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS_DIR = ROOT / "tests" / "tasks"
@@ -45,10 +44,6 @@ PACKAGES = ("exercises", "solutions")
 
 if str(ROOT) not in sys.path:  # so `import exercises` works under the bare `pytest` too
     sys.path.insert(0, str(ROOT))
-
-# Used by tests/test_grading.py for its subprocesses: the same examples every run, and
-# no example database (mutants' failures are not worth keeping).
-settings.register_profile("pipelab-meta", derandomize=True, database=None, deadline=None)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
