@@ -237,7 +237,9 @@ class Pipeline:
             end = {a: finish - origin for a, (_, finish) in intervals.items()}
             source = "measured"
         else:
-            own = observer.own  # the memory observer's own time inside each action: not the step's
+            # the memory observer's own host time inside each action: not the step's; on CUDA the events
+            # time the GPU, which the host runs ahead of, so that time is not in their intervals
+            own = observer.own if all(d.type == "cpu" for d in self.devices) else {}
             timing = run_dependencies(self.schedule,
                                       duration=lambda a: intervals[a][1] - intervals[a][0] - own.get(a, 0.0))
             start, end, source = timing.start, timing.end, "replayed"

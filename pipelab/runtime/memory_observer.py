@@ -44,8 +44,9 @@ replay, or CUDA events).  `MemoryObserver.place` maps each change, with the host
 
 The observer's own work (a few microseconds per storage kept or freed) is not the step's:
 `spent` adds it up, windows and offsets are taken on the host clock minus it, and the
-local engine replays each action's measured duration minus `own[action]`, the observer's
-time inside it (the distributed engine's wall clock keeps it: there it really passed).
+local engine on CPUs replays each action's measured duration minus `own[action]`, the
+observer's time inside it (on CUDA the events time the GPU, which the host runs ahead of;
+the distributed engine's wall clock keeps it: there it really passed).
 
 Ties in t' keep the order in which the changes happened.
 """
@@ -102,7 +103,7 @@ class MemoryObserver:
         """Count `tensor`'s storage on `stage`'s device, for reason `why`, from now until PyTorch frees it.
 
         Once per device: a storage kept again only moves to a stronger reason.  The time this
-        takes is added to `spent` (and taken out of the action's measured time by the local engine).
+        takes is added to `spent` (and, on CPUs, taken out of the action's measured time by the local engine).
         """
         began = time.perf_counter()
         self._keep(stage, tensor, why, began)
