@@ -16,6 +16,8 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
+from .actions import check_counts
+
 
 def stage_costs(costs: Sequence[float], bounds: Sequence[tuple[int, int]]) -> list[float]:
     """The cost of each stage: the sum of its blocks' costs (bounds are half-open block ranges)."""
@@ -42,8 +44,9 @@ def greedy_bounds(costs: Sequence[float], n_stages: int) -> list[tuple[int, int]
     least one block, and enough blocks are left for the stages still to come.
     """
     costs = _check_costs(costs)
-    if not isinstance(n_stages, int) or isinstance(n_stages, bool) or not 1 <= n_stages <= len(costs):
-        raise ValueError(f"n_stages must be an int from 1 to the number of blocks ({len(costs)}), got {n_stages!r}")
+    check_counts(n_stages=n_stages)
+    if n_stages > len(costs):
+        raise ValueError(f"n_stages must be at most the number of blocks ({len(costs)}), got {n_stages}")
     average = sum(costs) / n_stages
     bounds, start = [], 0
     for stage in range(n_stages - 1):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .actions import check_counts
 from .trace import Trace
 
 
@@ -26,8 +27,9 @@ class Phase(NamedTuple):
 def fill_drain_phases(n_stages: int, n_microbatches: int, forward: float = 1.0, backward: float = 2.0) -> list[Phase]:
     """The six phases of a GPipe step with uniform costs (needs m >= p, so that a steady state exists)."""
     p, m = n_stages, n_microbatches
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in (p, m)) or m < p:
-        raise ValueError(f"phases need positive ints with n_microbatches >= n_stages, got p={p!r}, m={m!r}")
+    check_counts(n_stages=p, n_microbatches=m)
+    if m < p:
+        raise ValueError(f"phases need n_microbatches >= n_stages, got p={p}, m={m}")
     if not (forward > 0 and backward > 0):
         raise ValueError(f"forward and backward times must be > 0, got {forward!r}, {backward!r}")
     phases = []

@@ -16,10 +16,6 @@ from .schedules_torch import TORCH_NAMES, from_torch, torch_schedule, torch_tabl
 from .timing import run_dependencies
 
 
-def _check_counts(n_stages, n_microbatches) -> None:
-    check_counts(n_stages=n_stages, n_microbatches=n_microbatches)
-
-
 def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
     """GPipe (fill-drain): every forward, then every backward (Huang et al. 2019, §2.3).
 
@@ -32,7 +28,7 @@ def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
         device 2 | .  .  F0 F1 F2 F3 F4 F5 F6 F7 .  .  B0 B1 B2 B3 B4 B5 B6 B7 .  .
         device 3 | .  .  .  F0 F1 F2 F3 F4 F5 F6 F7 B0 B1 B2 B3 B4 B5 B6 B7 .  .  .
     """
-    _check_counts(n_stages, n_microbatches)
+    check_counts(n_stages=n_stages, n_microbatches=n_microbatches)
     actions = [
         [Action("F", s, i) for i in range(n_microbatches)] + [Action("B", s, i) for i in range(n_microbatches)]
         for s in range(n_stages)
@@ -54,16 +50,22 @@ def one_f_one_b(n_stages: int, n_microbatches: int) -> Schedule:
         device 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
         device 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
     """
-    _check_counts(n_stages, n_microbatches)
+    check_counts(n_stages=n_stages, n_microbatches=n_microbatches)
+    warmups = [min(n_stages - s - 1, n_microbatches) for s in range(n_stages)]
+    return Schedule(n_stages, n_microbatches, _one_f_one_b_rows(n_microbatches, warmups), name="1f1b")
+
+
+def _one_f_one_b_rows(n_microbatches: int, warmups: list[int]) -> list[list[Action]]:
+    """Stage s's 1F1B list for each s: warmups[s] forwards, then one forward and one backward
+    in turn (steady state), then the remaining backwards (cool-down)."""
     actions = []
-    for s in range(n_stages):
-        warmup = min(n_stages - s - 1, n_microbatches)
+    for s, warmup in enumerate(warmups):
         row = [Action("F", s, i) for i in range(warmup)]
         for i in range(n_microbatches - warmup):  # steady state: one forward, one backward
             row += [Action("F", s, warmup + i), Action("B", s, i)]
         row += [Action("B", s, i) for i in range(n_microbatches - warmup, n_microbatches)]  # cool-down
         actions.append(row)
-    return Schedule(n_stages, n_microbatches, actions, name="1f1b")
+    return actions
 
 
 def pipedream_async(n_stages: int, n_microbatches: int, update_every: int = 1) -> Schedule:
@@ -101,11 +103,9 @@ def pipedream_async(n_stages: int, n_microbatches: int, update_every: int = 1) -
                     meta={"update_every": update_every, "asynchronous": True})
 
 
-GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b}
-"""The schedules named by (n_stages, n_microbatches) alone, as the explorer's menu lists them."""
-
-MORE_GENERATORS = {"zb-h1": zero_bubble_h1, "pipedream-async": pipedream_async}
-"""More schedules `by_name` knows (interleaved 1F1B needs a chunk count: call `interleaved_1f1b`)."""
+GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1, "pipedream-async": pipedream_async}
+"""The schedules `by_name` builds from (n_stages, n_microbatches) alone (interleaved 1F1B needs a
+chunk count: call `interleaved_1f1b`)."""
 
 
 def by_name(name: str, n_stages: int, n_microbatches: int) -> Schedule:
@@ -116,11 +116,10 @@ def by_name(name: str, n_stages: int, n_microbatches: int) -> Schedule:
     aliases = {"gpipe": "gpipe", "1f1b": "1f1b", "onefoneb": "1f1b", "pipedreamflush": "1f1b",
                "zbh1": "zb-h1", "zerobubbleh1": "zb-h1", "pipedreamasync": "pipedream-async",
                "pipedream": "pipedream-async"}
-    known = {**GENERATORS, **MORE_GENERATORS}
     if key not in aliases:
-        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(known)} "
+        raise ValueError(f"unknown schedule {name!r}; choose one of {sorted(GENERATORS)} "
                          "(interleaved 1F1B: pl.schedules.interleaved_1f1b(p, m, n_chunks))")
-    return known[aliases[key]](n_stages, n_microbatches)
+    return GENERATORS[aliases[key]](n_stages, n_microbatches)
 
 
 def validate(schedule: Schedule) -> Schedule:
@@ -141,7 +140,7 @@ def check_structure(schedule: Schedule) -> None:
     """Everything `validate` checks except the dependencies (which need a run of `pipelab.timing`)."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate expects a pipelab Schedule, got {type(schedule).__name__}")
-    _check_counts(schedule.n_stages, schedule.n_microbatches)
+    check_counts(n_stages=schedule.n_stages, n_microbatches=schedule.n_microbatches)
     if schedule.n_devices < 1:
         raise ScheduleError("the schedule has no devices: actions must be a list with one list per device")
     if not _looks_valid(schedule):  # fast path for the common case; the checks below name the problem

@@ -22,24 +22,17 @@ unchanged, (m + p - 1)(t_F + t_B) for equal stages.  p=4, m=8, extra=2:
 
 from __future__ import annotations
 
-from .actions import Action, Schedule
+from .actions import Schedule, check_counts
+from .schedules import _one_f_one_b_rows
 
 
 def one_f_one_b_with_warmup(n_stages: int, n_microbatches: int, extra: int) -> Schedule:
     """1F1B whose stages s < p - 1 start `extra` more forwards before their first backward (see the module)."""
-    for name, value in (("n_stages", n_stages), ("n_microbatches", n_microbatches), ("extra", extra)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if n_stages < 1 or n_microbatches < 1:
-        raise ValueError(f"n_stages and n_microbatches must be at least 1, got {n_stages} and {n_microbatches}")
+    check_counts(n_stages=n_stages, n_microbatches=n_microbatches)
+    if isinstance(extra, bool) or not isinstance(extra, int):
+        raise TypeError(f"extra must be an int, got {type(extra).__name__} {extra!r}")
     if extra < 0:
         raise ValueError(f"extra is the number of additional warm-up forwards, at least 0, got {extra}")
-    actions = []
-    for s in range(n_stages):
-        warmup = min(n_stages - s - 1 + extra, n_microbatches) if s < n_stages - 1 else 0
-        row = [Action("F", s, i) for i in range(warmup)]
-        for i in range(n_microbatches - warmup):  # steady state: one forward, one backward
-            row += [Action("F", s, warmup + i), Action("B", s, i)]
-        row += [Action("B", s, i) for i in range(n_microbatches - warmup, n_microbatches)]  # cool-down
-        actions.append(row)
-    return Schedule(n_stages, n_microbatches, actions, name=f"1f1b+{extra}" if extra else "1f1b")
+    warmups = [min(n_stages - s - 1 + extra, n_microbatches) if s < n_stages - 1 else 0 for s in range(n_stages)]
+    return Schedule(n_stages, n_microbatches, _one_f_one_b_rows(n_microbatches, warmups),
+                    name=f"1f1b+{extra}" if extra else "1f1b")
