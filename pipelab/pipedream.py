@@ -13,35 +13,32 @@ hold fewer; m >= 2 w + 1 is enough for stage s to reach p - s.
 
 from __future__ import annotations
 
-from .actions import Action, Schedule
+from .actions import Action, Schedule, check_counts
 
 
 def _update_every(schedule: Schedule, update_every: int | None) -> int:
     every = schedule.meta.get("update_every", 1) if update_every is None else update_every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"update_every must be a positive int, got {every!r}")
+    check_counts(update_every=every)
     return every
 
 
 def weight_versions(schedule: Schedule, update_every: int | None = None) -> dict[Action, int]:
     """{action: the weight version of its stage it runs with}, for every F and B (rule above).
 
-    `update_every` defaults to the schedule's `meta["update_every"]` (1 when absent).
+    `update_every` defaults to the schedule's `meta["update_every"]` (1 when absent).  The
+    live version of a stage is (B's run so far on it) // update_every.
     """
     every = _update_every(schedule, update_every)
     versions: dict[Action, int] = {}
     for row in schedule.actions:
-        live: dict[int, int] = {}  # stage -> its live version
         backwards: dict[int, int] = {}  # stage -> B's run so far
         for action in row:
             stage = action.stage
             if action.kind == "F":
-                versions[action] = live.get(stage, 0)
+                versions[action] = backwards.get(stage, 0) // every
             elif action.kind == "B":
                 versions[action] = versions[Action("F", stage, action.microbatch)]
                 backwards[stage] = backwards.get(stage, 0) + 1
-                if backwards[stage] % every == 0:
-                    live[stage] = live.get(stage, 0) + 1
     return versions
 
 
@@ -50,21 +47,17 @@ def versions_in_flight(schedule: Schedule, update_every: int | None = None) -> l
     version an in-flight micro-batch (its F done, its B not yet) stashed.  Counted after
     each action, in the stage's list order."""
     every = _update_every(schedule, update_every)
-    versions = weight_versions(schedule, every)
     peak = [0] * schedule.n_stages
     for row in schedule.actions:
-        live: dict[int, int] = {}
-        backwards: dict[int, int] = {}
+        backwards: dict[int, int] = {}  # stage -> B's run so far
         stashed: dict[int, dict[int, int]] = {}  # stage -> {micro-batch: version} in flight
         for action in row:
             stage, mb = action.stage, action.microbatch
             held = stashed.setdefault(stage, {})
             if action.kind == "F":
-                held[mb] = versions[action]
+                held[mb] = backwards.get(stage, 0) // every
             elif action.kind == "B":
                 del held[mb]
                 backwards[stage] = backwards.get(stage, 0) + 1
-                if backwards[stage] % every == 0:
-                    live[stage] = live.get(stage, 0) + 1
-            peak[stage] = max(peak[stage], len(set(held.values()) | {live.get(stage, 0)}))
+            peak[stage] = max(peak[stage], len(set(held.values()) | {backwards.get(stage, 0) // every}))
     return peak

@@ -208,3 +208,5 @@ def test_pipedream_updating_every_k_backwards_holds_fewer_versions():
     assert versions_in_flight(sched) == [3, 2, 2, 1]
     with pytest.raises(ValueError, match="update_every"):
         weight_versions(sched, update_every=0)
+    with pytest.raises(TypeError, match="update_every"):
+        versions_in_flight(sched, update_every=1.5)
