@@ -253,8 +253,8 @@ class Pipeline:
         for event in events:
             if event.action in clock.allocated:
                 memory.append(MemorySample(event.device, event.end, clock.allocated[event.action], "allocated"))
-            if event.action in observer.allocated_peak:
-                memory.append(MemorySample(event.device, event.start, observer.allocated_peak[event.action],
+            if event.action in clock.allocated_peak:
+                memory.append(MemorySample(event.device, event.start, clock.allocated_peak[event.action],
                                            "allocated_peak"))
         return Trace(events, memory, source, self.n_stages, self.n_microbatches, self.schedule.n_devices,
                      self.schedule.name, [str(d) for d in self.devices],

@@ -94,7 +94,6 @@ class MemoryObserver:
         self.freed_callback = self._freed  # one bound method for every weakref
         self.windows: list[tuple[float, float, Action]] = []  # (h0, h1, action), in the order run
         self.own: dict[Action, float] = {}  # seconds the observer itself spent inside each action
-        self.allocated_peak: dict[Action, int] = {}  # CUDA: torch.cuda.max_memory_allocated during the action
         self.spent = 0.0  # seconds spent in `keep` and in the callbacks, so far
         self._began: tuple[float, float] = (0.0, 0.0)
 
@@ -151,17 +150,14 @@ class MemoryObserver:
         """(host seconds, device, +bytes or -bytes, reason index) of every change, in order."""
         return list(zip(self.times, self.devices, self.deltas, self.reasons))
 
-    def begin(self, action: Action, device: torch.device) -> None:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+    def begin(self, action: Action, device: torch.device | None = None) -> None:
+        """`action`'s host window opens (`device`: as `ActionClock.begin`, not read; the clock reads the allocator)."""
         self._began = (time.perf_counter(), self.spent)
 
-    def end(self, action: Action, device: torch.device) -> None:
+    def end(self, action: Action, device: torch.device | None = None) -> None:
         began, spent = self._began
         self.windows.append((began - spent, time.perf_counter() - self.spent, action))  # on the observer-free clock
         self.own[action] = self.spent - spent
-        if device.type == "cuda":
-            self.allocated_peak[action] = torch.cuda.max_memory_allocated(device)
 
     def close(self) -> None:
         """Stop observing: storages still alive are left alone (their callbacks will not fire)."""
