@@ -104,7 +104,7 @@ def from_torch(pipeline_order: Mapping[int, list], n_microbatches: int, name: st
     ranks = sorted(pipeline_order)
     if ranks != list(range(len(ranks))):
         raise ScheduleError(f"pipeline_order's ranks must be 0..{len(ranks) - 1}, got {ranks}")
-    rows: list[list[tuple[str, int, int]]] = []
+    rows: list[list[tuple[str, int, int, str]]] = []  # (kind, stage, micro-batch, PyTorch's kind)
     for rank in ranks:
         row = []
         for position, entry in enumerate(pipeline_order[rank]):

@@ -23,7 +23,7 @@ GRID = [(p, m, k) for p in range(1, 5) for m in range(1, 7) for k in (1, 2, 3)]
 
 def test_docstring_draws_the_table():
     drawn = [line.split("|", 1)[1].split() for line in flushed_1f1b.__doc__.splitlines() if "device " in line]
-    assert [line.split("|", 1)[1].split() for line in flushed_1f1b(2, 2, 2).to_text().splitlines()] == drawn
+    assert flushed_1f1b(2, 2, 2).grid() == drawn
 
 
 @pytest.mark.parametrize("t_f, t_b", [(1.0, 1.0), (1.0, 2.0), (2.0, 1.0)])
