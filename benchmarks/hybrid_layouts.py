@@ -34,11 +34,11 @@ import torch
 
 import pipelab as pl
 from pipelab.communication import ring_allreduce_elements_per_device
-from pipelab.runtime.comm_formulas import expected_communication
+from pipelab.runtime.comm_formulas import STEP_KINDS as KINDS
+from pipelab.runtime.comm_formulas import step_bytes
 
 MODELS = {"mlp": dict(batch=64), "gpt": dict(batch=16)}
 MICROBATCHES = 4
-KINDS = ("pp", "pp_gather", "tp", "dp")
 
 
 def make_model(kind: str):
@@ -98,17 +98,14 @@ def main() -> None:
     print(f"{args.ranks} gloo ranks, 1F1B, m={MICROBATCHES}; bytes of one step summed over the ranks")
     print(header)
     print("-" * len(header))
+    built = {kind: make_model(kind) for kind in MODELS}
+    single = {kind: single_device_loss(kind) for kind in MODELS}
     for (kind, layout), first in per_rank[0].items():
-        model = make_model(kind)
-        counted = {k: sum(rank[kind, layout]["counts"][k]["bytes"] for rank in per_rank) for k in KINDS}
-        formula = {k: 0 for k in KINDS}
-        for rank in range(args.ranks):
-            expected = expected_communication(model, layout, rank, MODELS[kind]["batch"], MICROBATCHES,
-                                              first["bounds"])
-            formula = {k: formula[k] + 4 * expected[k]["elements"] for k in KINDS}  # float32
+        counted, formula = step_bytes([rank[kind, layout]["counts"] for rank in per_rank], built[kind], layout,
+                                      MODELS[kind]["batch"], MICROBATCHES, first["bounds"])
         wire = ring_allreduce_elements_per_device(counted["dp"], layout.dp)  # bytes in, bytes out
         params = max(rank[kind, layout]["parameter_bytes"] for rank in per_rank)
-        loss_error = abs(first["loss"] - single_device_loss(kind))
+        loss_error = abs(first["loss"] - single[kind])
         cells = " | ".join(f"{counted[k]:>11,}/{formula[k]:<11,}" for k in KINDS)
         print(f"{kind:5} {str(layout):16} {statistics.median(first['times']) * 1e3:8.1f} | {cells} {wire:10,.0f} | "
               f"{params:11,} | {loss_error:8.1e}")

@@ -19,9 +19,10 @@ from . import models
 from .hybrid_costs import ModelCosts, cluster_links, predict
 from .layout import Layout
 from .partition import split
-from .runtime.comm_formulas import expected_communication
+from .reference import single_device_gradients
+from .runtime.comm_formulas import STEP_KINDS, step_bytes
 
-KINDS = ("pp", "pp_gather", "tp", "dp")
+KINDS = STEP_KINDS  # the bars and columns: "pp", "pp_gather", "tp", "dp"
 BATCH, MICROBATCHES = 16, 4
 
 # the layouts of real runs: (name, GPUs, dp, pp, tp, source)
@@ -77,18 +78,15 @@ def run_layouts(n_ranks: int, shapes: list[tuple[int, int, int]], kind: str = "g
     per_rank = launch(_on_each_rank, n_ranks, shapes, kind, timeout_seconds=timeout_seconds)
     model = make_model(kind)
     x, y = models.sample_batch(model, BATCH, seed=1)
-    loss = models.default_loss(model)(model(x), y)
-    loss.backward()
-    reference = {n: p.grad for n, p in model.named_parameters()}
+    loss, reference = single_device_gradients(model, x, y, models.default_loss(model))
     rows = []
     for c, shape in enumerate(shapes):
         layout = Layout(*shape)
         bounds = split(make_model(kind), layout.pp, "uniform").bounds
         worst = max(float((g - reference[n]).abs().max()) for rank in per_rank for n, g in rank[c]["grads"].items())
-        measured = {k: sum(rank[c]["counts"][k]["bytes"] for rank in per_rank) for k in KINDS}
-        formula = {k: 4 * sum(expected_communication(model, layout, r, BATCH, MICROBATCHES, bounds)[k]["elements"]
-                              for r in range(n_ranks)) for k in KINDS}
-        rows.append(LayoutRun(layout, per_rank[0][c]["loss"], float(loss), worst, measured, formula,
+        measured, formula = step_bytes([rank[c]["counts"] for rank in per_rank], model, layout, BATCH, MICROBATCHES,
+                                       bounds)
+        rows.append(LayoutRun(layout, per_rank[0][c]["loss"], loss, worst, measured, formula,
                               max(rank[c]["parameter_bytes"] for rank in per_rank),
                               max(rank[c]["activation_bytes"] for rank in per_rank)))
     return rows

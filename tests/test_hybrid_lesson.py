@@ -5,6 +5,7 @@
 import pipelab as pl
 import pipelab.hybrid_lesson as lesson
 from pipelab.hybrid_costs import cluster_links, predict
+from pipelab.runtime.comm_formulas import step_bytes
 
 
 def test_real_runs_multiply_to_their_gpus():
@@ -26,3 +27,12 @@ def test_table_lines_up_measured_and_formula():
                            {k: 8 for k in lesson.KINDS}, 100, 50)
     lines = lesson.table([row]).splitlines()
     assert len(lines) == 2 and lines[1].startswith("dp=1 pp=2 tp=2") and lines[1].count("8/8") == 4
+
+
+def test_step_bytes_sums_the_ranks_counted_and_formula():
+    model = lesson.make_model("mlp")  # width 32
+    counts = [{k: {"bytes": 10 * (r + 1)} for k in lesson.KINDS} for r in range(2)]
+    counted, formula = step_bytes(counts, model, pl.Layout(pp=2), 16, 4, pl.split(model, 2, "uniform").bounds)
+    assert counted == {k: 30 for k in lesson.KINDS}
+    # by hand: stage 0 sends 16 activations of 32 float32 forward, stage 1 their gradients back
+    assert formula == {"pp": 2 * 16 * 32 * 4, "pp_gather": 0, "tp": 0, "dp": 0}

@@ -27,6 +27,7 @@ from ..layout import Layout
 from ..models import Embedding, TransformerBlock
 from . import tp_plans
 
+STEP_KINDS = ("pp", "pp_gather", "tp", "dp")  # what a step moves (receives mirror "pp"); lesson 08, the benchmark
 SHARDED_IN_TRANSFORMER = ("qkv.weight", "qkv.bias", "proj.weight", "mlp.0.weight", "mlp.0.bias", "mlp.2.weight")
 
 
@@ -54,18 +55,17 @@ def _pair_list(plans: list, blocks: list[nn.Module]) -> list[tuple[int, int]]:
 
 
 def _rank_parameters(blocks: list[nn.Module], t: int) -> int:
-    """Ψ_rank: the stage's parameter elements, the Megatron-sharded ones divided by t."""
+    """Ψ_rank: the stage's parameter elements, the Megatron-sharded ones divided by t (a column-parallel
+    Linear's weight and bias, a row-parallel one's weight; its bias is replicated)."""
+    pairs = _pair_list(tp_plans.default_plans(blocks), blocks) if t > 1 else []
+    column, row = {a for a, _ in pairs}, {z for _, z in pairs}
     total = 0
-    plans = tp_plans.default_plans(blocks) if t > 1 else [None] * len(blocks)
-    for block, plan in zip(blocks, plans):
+    for k, block in enumerate(blocks):
         for name, p in block.named_parameters():
-            sharded = False
-            if t > 1 and isinstance(block, TransformerBlock):
-                sharded = name in SHARDED_IN_TRANSFORMER
-            elif t > 1 and plan is not None:
-                style = plan if not isinstance(plan, dict) else plan["0"]
-                colwise = type(style).__name__ == "ColwiseParallel"
-                sharded = name.endswith("weight") or colwise
+            if isinstance(block, TransformerBlock):
+                sharded = t > 1 and name in SHARDED_IN_TRANSFORMER
+            else:
+                sharded = k in column or (k in row and name.endswith("weight"))
             total += p.numel() // t if sharded else p.numel()
     return total
 
@@ -107,3 +107,18 @@ def expected_communication(model: nn.Sequential, layout: Layout, rank: int, batc
     if d > 1:
         found["dp"] = {"messages": 1, "elements": _rank_parameters(blocks, t)}
     return found
+
+
+def step_bytes(counts_per_rank: list[dict], model: nn.Sequential, layout: Layout, batch_size: int,
+               n_microbatches: int, bounds: list[tuple[int, int]]) -> tuple[dict[str, int], dict[str, int]]:
+    """(counted, formula): bytes of one step per kind of STEP_KINDS, summed over the ranks.
+
+    `counts_per_rank[r]` is rank r's `CommunicationCounter.totals()`; the formula is
+    `expected_communication`'s elements times the bytes of the model's dtype (4 for float32)."""
+    size = next(model.parameters()).element_size()
+    counted = {k: sum(counts[k]["bytes"] for counts in counts_per_rank) for k in STEP_KINDS}
+    formula = {k: 0 for k in STEP_KINDS}
+    for rank in range(layout.world_size):
+        expected = expected_communication(model, layout, rank, batch_size, n_microbatches, bounds)
+        formula = {k: formula[k] + size * expected[k]["elements"] for k in STEP_KINDS}
+    return counted, formula
