@@ -8,7 +8,7 @@ single-device gradient of every parameter of its stage.
 Communication: the counts come from the real calls (a dispatch mode sees every c10d and
 DTensor collective, `runtime/comm_count.py`); they are compared with the closed forms of
 `runtime/comm_formulas.py` (Megatron-LM, ZeRO), written from the model's dimensions, and
-for two cases with numbers worked out by hand below.  Three launches (2, 4, 8 ranks).
+for three cases with numbers worked out by hand below.  Three launches (2, 4, 8 ranks).
 """
 
 import pytest
@@ -78,6 +78,12 @@ def test_tensor_parallel_alone_and_a_plain_pipeline_on_two_ranks():
     per_rank = pl.distributed.launch(cases.run_layouts, 2, grid, True, timeout_seconds=240)
     check_exact(grid, per_rank)
     check_counts(grid, per_rank)
+    # by hand, mlp (8 Linears 16 -> 16) TP2, one stage, 19 samples in m = 4 micro-batches: pairs (0,1) (2,3)
+    # (4,5) (6,7); forward one all-reduce of b·16 per pair, backward one per pair but the first (its input is
+    # the data): 4 · 4 + 3 · 4 = 28 messages, (4 + 3) · 19 · 16 = 2128 elements, on each rank
+    mlp_tp = grid.index(("mlp", (1, 1, 2), "gpipe", 4))
+    for rank in range(2):
+        assert per_rank[rank][mlp_tp]["counts"]["tp"] == {"messages": 28, "bytes": 4 * 2128, "elements": 2128}
 
 
 def test_pp_tp_and_pp_dp_and_tp_dp_on_four_ranks():
