@@ -24,9 +24,8 @@ from .trace import Event, MemorySample
 Bytes = Callable[[int, int], float]  # (stage, microbatch) -> bytes
 
 
-def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int,
-                       what: str = "counted") -> list[MemorySample]:
-    """Memory samples (one per change, plus a zero at t=0 per device) following the rule above."""
+def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int) -> list[MemorySample]:
+    """"counted" memory samples (one per change, plus a zero at t=0 per device) following the rule above."""
     releases = "W" if any(e.kind == "W" for e in events) else "B"
     changes = []  # (time, 0 for a release so it sorts first at equal times, device, delta)
     for e in events:
@@ -38,10 +37,10 @@ def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_dev
         if e.kind == releases:
             changes.append((e.end, 0, e.device, -held(stage, mb) - transient(stage, mb)))
     level = [0.0] * n_devices
-    samples = [MemorySample(d, 0.0, 0, what) for d in range(n_devices)]
+    samples = [MemorySample(d, 0.0, 0, "counted") for d in range(n_devices)]
     for time, _, device, delta in sorted(changes):
         level[device] += delta
-        samples.append(MemorySample(device, time, round(level[device]), what))
+        samples.append(MemorySample(device, time, round(level[device]), "counted"))
     return samples
 
 

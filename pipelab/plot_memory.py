@@ -8,7 +8,6 @@ from matplotlib.ticker import MaxNLocator
 from .plot_style import check_trace, devices_named, distinct_colors, plt, time_unit
 from .trace import Trace, memory_kind
 
-COUNTED = ("counted", "activations")  # the samples by the engine's counting rule ("activations": their old name)
 HEATMAP_FROM = 9  # devices: from here on, memory() draws a heat-map (one line per device would be a tangle)
 
 
@@ -34,11 +33,11 @@ def memory(trace: Trace, ax=None, title: str | None = None, predicted: Trace | N
     if heatmap is None:
         heatmap = max(t.n_devices for t in (trace, predicted) if t is not None) >= HEATMAP_FROM
     what = memory_kind(what)
-    trace.peak_memory_by(what)  # a clear error when the trace holds no such samples
+    peaks = trace.peak_memory_by(what)  # a clear error when the trace holds no such samples
     options = dict(budget_bytes=budget_bytes, unit_bytes=unit_bytes, unit_name=unit_name, heatmap=heatmap)
     if predicted is not None:
         fig, (left, right) = plt.subplots(1, 2, figsize=(12, 3.6), sharey=True, layout="constrained")
-        top = max(max(predicted.peak_memory, default=0), max(trace.peak_memory_by(what), default=0))
+        top = max(max(predicted.peak_memory, default=0), max(peaks, default=0))
         for side, t, label, kind in ((left, predicted, "predicted", "counted"), (right, trace, what, what)):
             image = draw_memory(side, t, title=f"{label} — {t.source_label}", top_bytes=top, what=kind, **options)
         if image is not None:
@@ -121,11 +120,11 @@ def _memory_curves(trace: Trace, origin: float, scale: float, end: float, unit_b
     """device -> (times, levels) of its `what` samples as a step function, up to `end`.
 
     Sorted by time only: samples at the same time keep the order they were recorded in
-    (the last is the level held from then on)."""
-    kinds = COUNTED if what == "counted" else (what,)
+    (the last is the level held from then on).  A trace's samples are named by MEMORY_KINDS
+    (`Trace` renames the old "activations" to "counted")."""
     samples: dict[int, list] = {}
     for s in trace.memory:
-        if s.what in kinds:
+        if s.what == what:
             samples.setdefault(s.device, []).append((s.time, s.bytes))
     curves = {}
     for device, points in sorted(samples.items()):

@@ -160,10 +160,9 @@ class MemoryObserver:
         self.own[action] = self.spent - spent
 
     def close(self) -> None:
-        """Stop observing: storages still alive are left alone (their callbacks will not fire)."""
+        """Stop observing: storages still alive are left alone (their callbacks find nothing to note)."""
         for table in (self.refs, self.reason, self.size, self.key_of):
             table.clear()
-        self.freed_callback = None
 
     @property
     def still_kept(self) -> int:
