@@ -15,8 +15,9 @@ These tests run it in subprocesses, through ``pipelab.grade.run_task_tests``, an
   must catch it under each;
 - grading writes nothing into the checkout (``pipelab grade`` run on a copy of it), and
   its report names the property that failed and hypothesis' failing example;
-- exercises/ and solutions/ have the same functions, signatures and docstrings, and the
-  solutions' docstring examples hold;
+- exercises/ and solutions/ have the same functions (and methods of their classes),
+  signatures and docstrings, the stubs are pristine, and the solutions' docstring
+  examples hold;
 - ``pipelab grade`` says ✅ on solutions; stops a test that hangs even where the
   timeout's signal is swallowed (by hypothesis), and still grades the other tasks.
 
@@ -415,10 +416,18 @@ def test_each_task_has_at_least_three_mutants(task):
 
 
 def public_functions(module) -> dict:
-    return {
-        name: value for name, value in vars(module).items()
-        if inspect.isfunction(value) and not name.startswith("_")
-    }
+    """A module's public functions, and the public methods of the public classes it defines
+    (as "Class.method"; a class it imports, such as torch's Tensor, is not its own)."""
+    found = {}
+    for name, value in vars(module).items():
+        if name.startswith("_"):
+            continue
+        if inspect.isfunction(value):
+            found[name] = value
+        elif inspect.isclass(value) and value.__module__ == module.__name__:
+            methods = {attr: getattr(value, attr) for attr in vars(value) if not attr.startswith("_")}
+            found |= {f"{name}.{attr}": method for attr, method in methods.items() if inspect.isfunction(method)}
+    return found
 
 
 def test_exercises_and_solutions_have_the_same_modules():
@@ -432,7 +441,7 @@ def test_same_signatures_and_docstrings(module_name):
     solution = importlib.import_module(f"solutions.{module_name}")
     exercise_functions, solution_functions = public_functions(exercise), public_functions(solution)
     assert exercise_functions.keys() == solution_functions.keys(), (
-        f"{module_name}: public functions differ (helpers of a solution start with _)"
+        f"{module_name}: public functions or methods differ (helpers of a solution start with _)"
     )
     for name, exercise_function in exercise_functions.items():
         solution_function = solution_functions[name]
@@ -450,8 +459,11 @@ def test_mutants_keep_the_signatures(mutant):
     spec.loader.exec_module(module)
     solution = importlib.import_module(f"solutions.{path.stem}")
     for name, function in public_functions(solution).items():
-        assert name in vars(module), f"mutant {mutant_name(mutant)} lacks {name}"
-        assert inspect.signature(vars(module)[name]) == inspect.signature(function), name
+        found = module  # a function, or "Class.method"; any callable (an lru_cache wrapper, ...)
+        for part in name.split("."):
+            found = getattr(found, part, None)
+        assert found is not None, f"mutant {mutant_name(mutant)} lacks {name}"
+        assert inspect.signature(found) == inspect.signature(function), name
 
 
 @pytest.mark.parametrize("module_name", MODULES)
@@ -463,19 +475,27 @@ def test_solution_docstring_examples_hold(module_name):
 
 def stub_problems(module_name: str) -> list[str]:
     """Why exercises/<module_name>.py is not the pristine stub: '# TODO: Implement for
-    Task X.Y.' then 'raise NotImplementedError("Task X.Y")' after each docstring, with
-    X.Y the task named at the start of the module docstring."""
+    Task X.Y.' then 'raise NotImplementedError("Task X.Y")' after each docstring (of a
+    function; a public class's methods may have none), with X.Y the task named at the
+    start of the module docstring."""
     source = (ROOT / "exercises" / f"{module_name}.py").read_text(encoding="utf-8")
     tree = ast.parse(source)
     task = (ast.get_docstring(tree) or "").removeprefix("Task ").split(":")[0]
-    stub = f'# TODO: Implement for Task {task}.\n    raise NotImplementedError("Task {task}")'
-    problems = []
+    public = [(node.name, node, True) for node in tree.body if isinstance(node, ast.FunctionDef)]
     for node in tree.body:
-        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            public += [(f"{node.name}.{method.name}", method, False) for method in node.body
+                       if isinstance(method, ast.FunctionDef)]
+    problems = []
+    for name, node, needs_docstring in public:
+        if name.split(".")[-1].startswith("_"):
             continue
-        body_is_docstring_and_raise = len(node.body) == 2
+        indent = " " * (node.col_offset + 4)
+        stub = f'# TODO: Implement for Task {task}.\n{indent}raise NotImplementedError("Task {task}")'
+        has_docstring = ast.get_docstring(node) is not None
+        body_is_docstring_and_raise = len(node.body) == 1 + has_docstring and (has_docstring or not needs_docstring)
         if not (body_is_docstring_and_raise and ast.get_source_segment(source, node).endswith(stub)):
-            problems.append(f"exercises/{module_name}.py: {node.name} is not a stub of Task {task}")
+            problems.append(f"exercises/{module_name}.py: {name} is not a stub of Task {task}")
     return problems
 
 
