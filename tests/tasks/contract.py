@@ -47,3 +47,18 @@ def assert_unchanged(before, value, what: str, call: str) -> None:
         f"{call.split('(')[0]} leaves its arguments unchanged ({what}: changed in place)\n"
         f"after {call}, {what} is {value!r}"
     )
+
+
+def call_with_lists_then_tuples(function, arguments: tuple, as_tuples: tuple, *, watched, what: str,
+                                call: str, check, differs):
+    """``function(*arguments)``, checked to leave ``watched`` (the arguments it may change,
+    named ``what`` in the message) as it was, and by ``check(result)``; then
+    ``function(*as_tuples)``, the same arguments with tuples for lists, must give an equal
+    result (else the message ``differs(result, again)``).  Returns the result."""
+    before = picture(watched)
+    got = function(*arguments)
+    assert_unchanged(before, watched, what, call)
+    check(got)
+    again = function(*as_tuples)
+    assert again == got, differs(got, again)
+    return got

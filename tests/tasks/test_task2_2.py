@@ -13,7 +13,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from contract import assert_type, assert_unchanged, picture
+from contract import assert_type, call_with_lists_then_tuples
 
 pytestmark = pytest.mark.task2_2
 
@@ -33,17 +33,13 @@ def from_events(impl, events, n_devices):
     """The answer for ``events`` as a list, checked to be a float, to leave the list as it
     was, and to be the same for the events as a tuple."""
     call = f"bubble_fraction_from_events({events!r}, {n_devices})"
-    function = impl("bubble").bubble_fraction_from_events
     events = list(events)
-    before = picture(events)
-    got = function(events, n_devices)
-    assert_unchanged(before, events, "events", call)
-    assert_type(got, float, f"bubble_fraction_from_events {A_FLOAT}", call)
-    as_tuple = tuple(events)
-    again = function(as_tuple, n_devices)
-    assert_unchanged(picture(tuple(events)), as_tuple, "events (a tuple)", call)
-    assert again == got, f"events may be a list or a tuple\n{call} gave {got}, for a tuple {again}"
-    return got
+    return call_with_lists_then_tuples(
+        impl("bubble").bubble_fraction_from_events, (events, n_devices), (tuple(events), n_devices),
+        watched=events, what="events", call=call,
+        check=lambda got: assert_type(got, float, f"bubble_fraction_from_events {A_FLOAT}", call),
+        differs=lambda got, again: f"events may be a list or a tuple\n{call} gave {got}, for a tuple {again}",
+    )
 
 
 def gpipe_events(n_stages, n_microbatches, forward_s, backward_s, offset_s=0.0):

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from contract import assert_type, assert_unchanged, picture
+from contract import assert_type, call_with_lists_then_tuples
 from schedule_tables import gpipe_table, one_f_one_b_table, unit_time_starts
 
 pytestmark = pytest.mark.task2_3
@@ -29,21 +29,22 @@ DEADLOCK = "on a deadlock simulate_core raises ValueError naming a stuck action 
 def simulate(impl, table, n_stages, duration):
     """simulate_core on ``table`` (lists), checked for its types and for leaving the table
     as it was; the same table as tuples must give the same times."""
-    simulate_core = impl("simulator").simulate_core
     call = f"simulate_core({table!r}, {n_stages}, ...)"
-    before = picture(table)
-    times = simulate_core(table, n_stages, duration)
-    assert_unchanged(before, table, "actions", call)
-    assert_type(times, dict, TYPES, f"{call}'s result")
-    for action, value in times.items():
-        assert_type(value, tuple, TYPES, f"{call}: times[{action!r}]")
-        assert len(value) == 2, f"{TYPES}\n{call}: times[{action!r}] is {value!r}"
-        for name, number in zip(("start", "end"), value):
-            assert_type(number, float, TYPES, f"{call}: the {name} of {action!r}")
+
+    def check(times):
+        assert_type(times, dict, TYPES, f"{call}'s result")
+        for action, value in times.items():
+            assert_type(value, tuple, TYPES, f"{call}: times[{action!r}]")
+            assert len(value) == 2, f"{TYPES}\n{call}: times[{action!r}] is {value!r}"
+            for name, number in zip(("start", "end"), value):
+                assert_type(number, float, TYPES, f"{call}: the {name} of {action!r}")
+
     as_tuples = tuple(tuple(row) for row in table)
-    again = simulate_core(as_tuples, n_stages, duration)
-    assert again == times, f"actions may be lists or tuples\n{call} gave other times for tuples: {again}"
-    return times
+    return call_with_lists_then_tuples(
+        impl("simulator").simulate_core, (table, n_stages, duration), (as_tuples, n_stages, duration),
+        watched=table, what="actions", call=call, check=check,
+        differs=lambda times, again: f"actions may be lists or tuples\n{call} gave other times for tuples: {again}",
+    )
 
 
 def on_fewer_devices(table, n_stages, stages_per_device):

@@ -16,7 +16,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from contract import assert_type, assert_unchanged, picture
+from contract import assert_type, call_with_lists_then_tuples
 from schedule_tables import gpipe_table, one_f_one_b_table
 
 pytestmark = pytest.mark.task3_2
@@ -31,17 +31,18 @@ def call_both_ways(function, name, events, *args):
     arguments unchanged, and to give the same for the events as a tuple."""
     call = f"{name}({events!r}, {', '.join(map(repr, args))})"
     events = list(events)
-    before = picture([events, *args])
-    got = function(events, *args)
-    assert_unchanged(before, [events, *args], "the arguments", call)
     types = f"{name} returns a list of int, one per stage"
-    assert_type(got, list, types, f"{call}'s result")
-    for stage, value in enumerate(got):
-        assert_type(value, int, types, f"{call} returned {got}; stage {stage}'s peak")
-    as_tuple = tuple(events)
-    again = function(as_tuple, *args)
-    assert again == got, f"events may be a list or a tuple\n{call} gave {got}, for a tuple {again}"
-    return got
+
+    def check(got):
+        assert_type(got, list, types, f"{call}'s result")
+        for stage, value in enumerate(got):
+            assert_type(value, int, types, f"{call} returned {got}; stage {stage}'s peak")
+
+    return call_with_lists_then_tuples(
+        function, (events, *args), (tuple(events), *args), watched=[events, *args], what="the arguments",
+        call=call, check=check,
+        differs=lambda got, again: f"events may be a list or a tuple\n{call} gave {got}, for a tuple {again}",
+    )
 
 
 def inflight(impl, events, n_stages):
