@@ -1,19 +1,18 @@
 """Independent checks for the tables of tasks 5.1-5.3 (several stages per device, the W kind).
 
-Written here, in the tests, so grading never relies on pipelab's own schedules.
+Written here, in the tests, so grading never relies on pipelab's own schedules; the F and B
+dependencies, and the 1F1B table these tasks start from, are schedule_tables' own.
 """
 
 from __future__ import annotations
 
+from schedule_tables import inputs_of
+
 
 def needs(action, n_stages):
-    """F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i)."""
+    """F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i) (``inputs_of``); W(s, i) needs B(s, i)."""
     kind, stage, mb = action
-    if kind == "F":
-        return [("F", stage - 1, mb)] if stage > 0 else []
-    if kind == "B":
-        return [("F", stage, mb)] + ([("B", stage + 1, mb)] if stage < n_stages - 1 else [])
-    return [("B", stage, mb)]
+    return [("B", stage, mb)] if kind == "W" else inputs_of(action, n_stages)
 
 
 def run(table, n_stages, seconds=lambda action: 1.0):
@@ -63,15 +62,3 @@ def peak_held(row, last_kind):
         held += 1 if kind == "F" else -1 if kind == last_kind else 0
         peak = max(peak, held)
     return peak
-
-
-def one_f_one_b_table(p, m):
-    """1F1B written out: warm-up min(p-s-1, m) forwards, steady (F, B) pairs, cool-down."""
-    table = []
-    for s in range(p):
-        warmup = min(p - s - 1, m)
-        row = [("F", s, i) for i in range(warmup)]
-        for k in range(m - warmup):
-            row += [("F", s, warmup + k), ("B", s, k)]
-        table.append(row + [("B", s, i) for i in range(m - warmup, m)])
-    return table

@@ -1,4 +1,4 @@
-"""Independent schedule tables and checks of them, shared by the graded tests (tasks 2.1, 2.3, 3.1, 3.2).
+"""Independent schedule tables and checks of them, shared by the graded tests (tasks 2.1, 2.3, 3.1, 3.2, 5.1-5.3).
 
 Written here, in the tests, so that grading never relies on pipelab's own schedules.
 """

@@ -10,7 +10,8 @@ for the row-parallel one) and runs the learner's layer; the reference is plain
   (the all-reduce of the backward) and the shards' gradients are the reference's slices;
 - the row-parallel layer alone: its output is the whole x Wᵀ + b on every rank (the
   all-reduce of the forward, b added once), and the gradients are the reference's slices;
-- fc1 column-parallel, GELU, fc2 row-parallel (an MLP): output, loss and every gradient.
+- fc1 column-parallel, GELU, fc2 row-parallel (an MLP): output, loss and every gradient;
+- both layers with bias=None: the same outputs, without b.
 
 One launch per implementation runs every case (`two_ranks`); while a function is still a
 stub, no rank is started.  A deadlock is stopped by the wait timeout and reported as one.
@@ -80,7 +81,10 @@ def on_each_rank(column_parallel_linear, row_parallel_linear) -> dict:
         loss.backward()
         mlp = {"y": y.detach(), "loss": loss.detach(), "x": x.grad, "w1": w1.grad, "b1": b1.grad, "w2": w2.grad,
                "b2": b2.grad}
-        found[case] = {"column": column, "row": row, "mlp": mlp, "rows": (rows.start, rows.stop)}
+        # bias=None: the outputs of both layers without b
+        no_bias = {"column": column_parallel_linear(v["x"], v["w1"][rows], None).detach(),
+                   "row": row_parallel_linear(v["h"][..., rows], v["w2"][:, rows], None).detach()}
+        found[case] = {"column": column, "row": row, "mlp": mlp, "no bias": no_bias, "rows": (rows.start, rows.stop)}
     return found
 
 
@@ -189,3 +193,14 @@ def test_column_then_row_parallel_mlp_equals_one_device(two_ranks, case):
         close(seen["x"], expected["x"], f"{case}, rank {rank}: the MLP's input gradient")
         for name, part in (("w1", rows), ("b1", rows), ("w2", (slice(None), rows)), ("b2", slice(None))):
             close(seen[name], expected[name][part], f"{case}, rank {rank}: the gradient of {name}'s shard")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_without_a_bias(two_ranks, case):
+    v = tensors(case)
+    for rank, found in enumerate(results(two_ranks)):
+        seen, rows = found[case]["no bias"], slice(*found[case]["rows"])
+        close(seen["column"], F.linear(v["x"], v["w1"])[..., rows], f"{case}, rank {rank}: column_parallel_linear "
+                                                                     "with bias=None should be this rank's slice of x Wᵀ")
+        close(seen["row"], F.linear(v["h"], v["w2"]), f"{case}, rank {rank}: row_parallel_linear with bias=None "
+                                                      "should be the whole x Wᵀ")

@@ -1,6 +1,6 @@
 """Task 5.2: weight_versions and versions_in_flight, weight stashing in asynchronous PipeDream.
 
-References written out here: PipeDream's closed forms on 1F1B's order (``beyond_tables``):
+References written out here: PipeDream's closed forms on 1F1B's order (``schedule_tables``):
 F(s, i) and B(s, i) use version max(0, i - (p - s - 1)) with an update after each
 backward; p - s versions held on stage s once m >= 2p - 1; small hand-made tables
 (update_every = 2, a stage whose backwards come late, several stages on one device).
@@ -12,7 +12,7 @@ import copy
 
 import pytest
 
-from beyond_tables import one_f_one_b_table
+from schedule_tables import one_f_one_b_table
 
 pytestmark = pytest.mark.task5_2
 

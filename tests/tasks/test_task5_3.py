@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from beyond_tables import cells, draw, one_f_one_b_table, peak_held, run
+from beyond_tables import cells, draw, peak_held, run
+from schedule_tables import one_f_one_b_table
 
 pytestmark = pytest.mark.task5_3
 
