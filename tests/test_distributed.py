@@ -158,7 +158,9 @@ def test_a_deadlock_ends_at_the_deadline_and_says_so():
     with pytest.raises(pl.DistributedError) as caught:
         pl.distributed.launch(cases.both_receive_first, 2, timeout_seconds=5)
     assert time.monotonic() - begin < 30
-    assert "timed out" in str(caught.value)
+    # whichever deadline passes first says so: the launcher's ("timed out: still running after 5 s") or
+    # gloo's own on the receive ("Timed out waiting 5000ms for recv"), which a loaded machine can make first
+    assert "timed out" in str(caught.value).lower()
     assert no_children_left() == []
 
 
