@@ -13,10 +13,12 @@ d x d Linear, the pass touches 3 d^2 values, the product does 2 n d^2 flops.  On
 thread (Linear(1024, 1024), `benchmarks/vs_torch_pipelining.py`'s model) that is about
 0.3 ms against 0.2 ms at n = 8, and under 10 % of the product from n = 256.  What it costs
 is a Python autograd function per Linear and micro-batch, some 20-40 us forward and
-backward: on small weights that is more than the pass.  Measured on one CPU thread (MLP of 4
-Linear(d, d) + GELU, 8 micro-batches of 8 rows, fused / plain step time): d = 256: 1.14,
-d = 512: 0.85, d = 1024: 0.76, d = 2048: 0.79.  Hence only weights of at least
-`MIN_WEIGHT_ELEMENTS` (512 x 512) are fused.
+backward: on small weights that is more than the pass.  Measured on one CPU thread
+(`benchmarks/fused_accumulation.py`: MLP of 4 Linear(d, d) + GELU, 8 micro-batches, fused /
+plain step time, three runs): with 8-row micro-batches d = 256: 1.15-1.24, d = 512:
+0.85-1.01, d = 1024: 0.76-0.89, d = 2048: 0.70-0.79; with 64 rows d = 1024: 1.00-1.08,
+d = 2048: 0.91-0.97.  Hence only weights of at least `MIN_WEIGHT_ELEMENTS` (512 x 512)
+are fused.
 
 Scope: the `nn.Linear` modules of a stage (their own `forward`, not a subclass's) whose
 weight has at least `MIN_WEIGHT_ELEMENTS` elements and is a plain parameter (not a DTensor or other wrapper) that requires grad and carries
