@@ -1,7 +1,7 @@
 """pipelab's distributed engine against PyTorch's own `torch.distributed.pipelining`, on the same work.
 
     .venv/bin/python benchmarks/vs_torch_pipelining.py [--rounds 8] [--steps 2] [--ranks 2 4] [--batch 64]
-                                                       [--speedup-batch 2048]
+                                                       [--speedup-batch 2048] [--connections 2]
 
 About 2.5-3 minutes on 2 cores: one launch per p at --batch, then one more p = 2 launch at
 --speedup-batch (half the rounds) for the speed-up, where every op takes well over 1 ms.
@@ -29,7 +29,11 @@ Printed (medians over steps, all from this one run):
    each Linear adds its weight gradient into `.grad` inside the multiply
    (`pipelab/runtime/fused_accumulation.py`) instead of computing it and adding it after;
    the same pipeline with autograd's accumulation is printed beside it, so the ratio's
-   source is visible (without it the two engines are level).  Also: pipelab's makespan and its own
+   source is visible (without it the two engines are level).  The ranks run with two gloo
+   connections per pair of ranks (`GLOO_SOCKET_IFNAME=lo,lo`, as `pl.distributed.launch`
+   sets), and pipelab's tags put activations on one and gradients on the other
+   (`runtime/p2p.py`); PyTorch's stage sends everything with tag 0, on one.  `--connections 1`
+   runs both engines on one, and the CPU its I/O threads use per step is printed.  Also: pipelab's makespan and its own
    `wall_seconds`, and the share of the step the ranks' threads waited for a CPU (Linux
    schedstat), which says how much the machine's other work inflated the step.
 3. Speed-up of p = 2 over one process running the same model and batch on one thread
@@ -69,6 +73,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import socket
 import statistics
 import sys
 import threading
@@ -95,18 +100,36 @@ def _runqueue_seconds() -> float:
         return math.nan
 
 
-def _barrier_timed(fn, waited: list | None = None) -> float:
+def _io_thread_seconds() -> float:
+    """CPU seconds run so far by this process's gloo I/O threads ("gloo_tcp_loop", one per device; nan off Linux)."""
+    total = 0.0
+    try:
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                if comm.read().strip() != "gloo_tcp_loop":
+                    continue
+            with open(f"/proc/self/task/{task}/schedstat") as stats:
+                total += int(stats.read().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return math.nan
+    return total
+
+
+def _barrier_timed(fn, waited: list | None = None, io: list | None = None) -> float:
     """Seconds from a barrier (all ranks released together) to this rank's return from fn.
 
-    `waited` gets the share of those seconds this rank's thread waited for a CPU.
+    `waited` gets the share of those seconds this rank's thread waited for a CPU; `io` the
+    CPU seconds gloo's I/O threads ran meanwhile.
     """
     dist.barrier()
-    queued = _runqueue_seconds()
+    queued, io_before = _runqueue_seconds(), _io_thread_seconds()
     begin = time.perf_counter()
     fn()
     seconds = time.perf_counter() - begin
     if waited is not None:
         waited.append((_runqueue_seconds() - queued) / seconds)
+    if io is not None:
+        io.append(_io_thread_seconds() - io_before)
     return seconds
 
 
@@ -191,7 +214,7 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
                 out = full(xi)
             (loss_fn(out, yi) / M).backward()
 
-    out = {"rank": rank, "bounds": bounds, "grad_err": {}, "loss": {}, "times": {}, "waited": {}, "makespan": {},
+    out = {"rank": rank, "bounds": bounds, "grad_err": {}, "loss": {}, "times": {}, "waited": {}, "io": {}, "makespan": {},
            "inner_wall": {}, "shortest_op": [], "predicted": {}, "predicted_alone": {}, "single": [],
            "accumulated": [], "accumulated_together": []}
 
@@ -211,7 +234,7 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
         out["loss"][key] = value
 
     for key in [(e, s) for s in SCHEDULES for e in ENGINES]:
-        out["times"][key], out["waited"][key] = [], []
+        out["times"][key], out["waited"][key], out["io"][key] = [], [], []
     for s in SCHEDULES:
         out["makespan"][s], out["inner_wall"][s], out["predicted"][s], out["predicted_alone"][s] = [], [], [], []
     out["round_makespan"] = {s: [] for s in SCHEDULES}
@@ -226,7 +249,7 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
                         model_pl.zero_grad(set_to_none=True)
                         holder = {}
                         seconds = _barrier_timed(lambda: holder.setdefault("r", step_pl(s, engine)),
-                                                 out["waited"][(engine, s)])
+                                                 out["waited"][(engine, s)], out["io"][(engine, s)])
                         result = holder["r"]
                         if engine == "pipelab":
                             out["makespan"][s].append(result.trace.makespan)
@@ -234,7 +257,7 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
                             out["shortest_op"].append(min(result.trace.durations().values()))
                     else:
                         model_pt.zero_grad(set_to_none=True)
-                        seconds = _barrier_timed(lambda: step_pt(s), out["waited"][(engine, s)])
+                        seconds = _barrier_timed(lambda: step_pt(s), out["waited"][(engine, s)], out["io"][(engine, s)])
                     out["times"][(engine, s)].append(seconds)
         for s in SCHEDULES:
             out["round_makespan"][s].append(statistics.median(out["makespan"][s][-steps:]))
@@ -290,6 +313,7 @@ def report(p: int, per_rank: list[dict]) -> dict:
     for s in SCHEDULES:
         t = {e: med(max(col) for col in zip(*(r["times"][(e, s)] for r in per_rank))) for e in ENGINES}
         waited = {e: med(w for r in per_rank for w in r["waited"][(e, s)]) for e in ENGINES}
+        io = {e: med(w for r in per_rank for w in r["io"][(e, s)]) for e in ENGINES}
         ratio = t["pipelab"] / t["torch"]
         found[s] = t
         print(f"  {s:5s} step: pipelab {t['pipelab'] * 1e3:7.1f} ms  PyTorch {t['torch'] * 1e3:7.1f} ms  "
@@ -300,6 +324,8 @@ def report(p: int, per_rank: list[dict]) -> dict:
         print(f"        pipelab inside its step: makespan (first action start to last end) "
               f"{med(root['makespan'][s]) * 1e3:.1f} ms, its own wall_seconds {med(root['inner_wall'][s]) * 1e3:.1f} ms; "
               f"share of the step a rank waited for a CPU: pipelab {waited['pipelab']:.0%}, PyTorch {waited['torch']:.0%}")
+        print(f"        CPU of gloo's I/O threads per step and rank: pipelab {io['pipelab'] * 1e3:.1f} ms, "
+              f"PyTorch {io['torch'] * 1e3:.1f} ms")
     # 3. single process
     single, accumulated = med(root["single"]), med(root["accumulated"])
     found["single"], found["accumulated"] = single, accumulated
@@ -337,14 +363,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=BATCH, help=f"a multiple of {M} (default {BATCH})")
     parser.add_argument("--speedup-batch", type=int, default=2048,
                         help="one more p = 2 run at this batch, for the speed-up (ops >= 1 ms); 0: none")
+    parser.add_argument("--connections", type=int, choices=(1, 2), default=2,
+                        help="gloo connections per pair of ranks (GLOO_SOCKET_IFNAME=lo or lo,lo; default 2: "
+                             "pipelab's activations and gradients then never share one)")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per launch before it counts as a hang")
     args = parser.parse_args()
     if args.batch % M or args.speedup_batch % M:
         parser.error(f"--batch and --speedup-batch must be multiples of m = {M}")
 
+    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+    os.environ["GLOO_SOCKET_IFNAME"] = ",".join([loopback] * args.connections)  # the ranks inherit it
     print(f"pipelab DistributedPipeline vs torch.distributed.pipelining: MLP depth {DEPTH} width {WIDTH} "
           f"(pl.models.mlp: last block a plain Linear), batch {args.batch}, m = {M}, MSE mean, gloo, 1 thread per rank, "
-          f"torch {torch.__version__}, {os.cpu_count()} cores; {args.rounds} rounds x {args.steps} steps")
+          f"torch {torch.__version__}, {os.cpu_count()} cores; {args.rounds} rounds x {args.steps} steps; "
+          f"GLOO_SOCKET_IFNAME={os.environ['GLOO_SOCKET_IFNAME']} ({args.connections} connection(s) per pair of ranks)")
     print(f"CPU pressure before (kernel PSI, some avg60): {_cpu_pressure()}  -- above a few %, other work shares the "
           "cores and every time below is inflated")
     found = {}

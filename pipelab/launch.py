@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         args.device = "auto"  # cuda:LOCAL_RANK
+    elif os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):  # every rank on this machine
+        from .runtime.p2p import use_two_connections
+        use_two_connections()  # activations and gradients on separate gloo connections (runtime/p2p.py)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout_seconds))
     try:
         summary = train_rank(args)

@@ -106,3 +106,12 @@ def nccl_step(kind: str, schedule: str, n_microbatches: int) -> dict:
     result = pipe.step(x, y)
     return {"loss": result.loss, "device": str(pipe.device), "source": result.trace.source,
             "grads": {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def gloo_connections() -> tuple[str | None, int]:
+    """This rank's GLOO_SOCKET_IFNAME and the number of gloo I/O threads (one per device) it runs."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{task}/comm") as comm:
+            names.append(comm.read().strip())
+    return os.environ.get("GLOO_SOCKET_IFNAME"), names.count("gloo_tcp_loop")

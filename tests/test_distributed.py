@@ -5,6 +5,7 @@ batch, computed here in the test process with plain autograd (no pipelab code). 
 launch runs many cases, since starting the ranks costs seconds.
 """
 
+import os
 import time
 
 import psutil
@@ -173,6 +174,27 @@ def test_launch_runs_a_function_defined_at_run_time_and_returns_every_rank_resul
         return base + offset + dist.get_rank() + 100 * dist.get_world_size()
 
     assert pl.distributed.launch(add_rank, 3, 1) == [311, 312, 313]
+
+
+def test_activations_and_gradients_have_tags_of_their_own_parity_and_every_message_its_own_tag():
+    from pipelab.runtime.p2p import _tag
+
+    n_stages, m = 3, 5
+    forward = [_tag(pl.Action("F", s, i), m, header) for s in range(n_stages) for i in range(m) for header in (0, 1)]
+    backward = [_tag(pl.Action("B", s, i), m) for s in range(n_stages) for i in range(m)]
+    assert all(tag % 2 == 0 for tag in forward) and all(tag % 2 == 1 for tag in backward)
+    assert len(set(forward + backward)) == len(forward) + len(backward)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
+def test_local_gloo_ranks_get_two_connections_per_pair_unless_the_user_chose(monkeypatch):
+    import socket
+
+    loopback = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    assert pl.distributed.launch(cases.gloo_connections, 2) == [(f"{loopback},{loopback}", 2)] * 2
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback)
+    assert pl.distributed.launch(cases.gloo_connections, 2) == [(loopback, 1)] * 2
 
 
 def test_launch_checks_its_arguments():

@@ -13,6 +13,16 @@ The distributed engine's transport (the local engine's is `loop.InProcessTranspo
   the sender's order satisfies both, so any schedule that `validate` accepts runs without
   deadlock: a rank blocks only in `receive`, on a message its sender produces without
   waiting for anything the receiver has not yet done.
+- **Two connections per pair of ranks, one per direction.**  gloo opens one TCP
+  connection per pair of ranks for each of its devices (`GLOO_SOCKET_IFNAME=lo,lo`: two
+  devices on the loopback interface) and sends a message on device `tag % devices`.
+  Activations get even tags and gradients odd ones, so with two devices what goes forward
+  and what comes back never share a connection.  On one connection they contend for its
+  lock: while the compute thread holds it to post an `isend`, gloo's I/O thread, woken by
+  an arriving gradient, fails its try-lock and polls again at once, and on a busy core it
+  can spin until the scheduler preempts it.  Measured on 2 cores (1F1B, p = 2, MLP 8x1024,
+  m = 8): the I/O thread used 7-10 ms of CPU per step on one connection and about 1 ms per
+  connection on two.  `use_two_connections` sets the variable for ranks on one machine.
 - **Shapes without object collectives**: the first time an activation of a given input
   shape crosses a boundary, a small int64 header (dtype code, number of dimensions, the
   sizes) goes first; the receiver allocates from it and caches the answer, so later steps
@@ -21,6 +31,8 @@ The distributed engine's transport (the local engine's is `loop.InProcessTranspo
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections import defaultdict
 from typing import Any
@@ -39,9 +51,30 @@ LOOKAHEAD = 2  # receives posted ahead of need, per sending rank
 
 
 def _tag(action: Action, n_microbatches: int, header: bool = False) -> int:
-    """A tag unique to one message of one step: the producing action, and whether it is the header."""
-    kind = 2 if header else (0 if action.kind == "F" else 1)
-    return 3 * (action.stage * n_microbatches + action.microbatch) + kind
+    """A tag unique to one message of one step: the producing action, and whether it is the header.
+
+    Even for an activation (F) or its header, odd for a gradient (B): gloo picks the
+    connection by tag modulo its number of devices, so with an even number of devices the two
+    directions never share one (module docstring).
+    """
+    direction = 0 if action.kind == "F" else 1
+    return 2 * (2 * (action.stage * n_microbatches + action.microbatch) + int(header)) + direction
+
+
+def use_two_connections(environ=os.environ) -> str | None:
+    """For gloo ranks all on this machine: two connections per pair of ranks (module docstring).
+
+    Sets `GLOO_SOCKET_IFNAME` to the loopback interface twice ("lo,lo" on Linux, "lo0,lo0"
+    on macOS) unless it is already set, and returns its value (None: no loopback interface
+    found, nothing set).  Call it before `dist.init_process_group`.  Across machines set it
+    yourself, to the interface that reaches the other machines, twice: `GLOO_SOCKET_IFNAME=eth0,eth0`.
+    """
+    if "GLOO_SOCKET_IFNAME" not in environ:
+        loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+        if not loopback:
+            return None
+        environ["GLOO_SOCKET_IFNAME"] = f"{loopback[0]},{loopback[0]}"
+    return environ["GLOO_SOCKET_IFNAME"]
 
 
 def encode_header(tensor: torch.Tensor) -> torch.Tensor:

@@ -101,6 +101,9 @@ def _rank_main(payload: bytes, reports: str, timeout_seconds: float | None, wait
         torch.set_num_threads(threads)
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per rank
+    if backend == "gloo":
+        from .p2p import use_two_connections
+        use_two_connections()  # activations and gradients on separate connections (runtime/p2p.py)
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=wait_timeout_seconds))
         fn, args = cloudpickle.loads(payload)
@@ -139,7 +142,10 @@ def _report(reports: str, rank: int, message: str, details: str, timed_out: bool
             consequence: bool = False) -> None:
     record = {"rank": rank, "time": time.time(), "message": message, "details": details, "timed_out": timed_out,
               "consequence": consequence}
-    Path(reports, f"rank{rank}.json").write_text(json.dumps(record))
+    # written whole, then renamed: the agent may kill this rank mid-write, and a half file must never be read
+    partial = Path(reports, f".rank{rank}.partial")
+    partial.write_text(json.dumps(record))
+    os.replace(partial, Path(reports, f"rank{rank}.json"))
 
 
 def _first_failure(reports: Path, failed) -> DistributedError:
