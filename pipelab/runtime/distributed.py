@@ -129,6 +129,7 @@ class DistributedPipeline:
         self.asynchronous = attach_stashes(self.schedule, self.workers, optimizer)
         self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
+        self.observed_room = 0  # rows for observed memory changes in the step's one all_gather (`_gather_step`)
 
     def _split_by_time(self, model: nn.Module, sample: Any) -> Partition:
         """Rank 0 times every block; the costs are broadcast, so every rank computes the same cut."""
@@ -214,8 +215,7 @@ class DistributedPipeline:
             run_actions(self.schedule.actions[self.rank], self.workers, self.transport, clock, observer)
             self.transport.finish()
         observer.close()
-        table = self._exchange(self._record(clock))
-        observed = self._gather_observed(self._place_observed(observer, clock))
+        table, observed = self._gather_step(self._record(clock), self._place_observed(observer, clock))
         wall_seconds = time.perf_counter() - step_begin
 
         trace, losses = self._trace(table, observed)
@@ -250,24 +250,37 @@ class DistributedPipeline:
         end = {a: finish + self.clock_offset for a, (_, finish) in intervals.items()}
         return observer.place(start, end)
 
-    def _gather_observed(self, placed: list[tuple]) -> list[tuple[float, int, int, int]]:
-        """Every rank's observed changes (time, device, delta, reason), on every rank: the counts, then a padded table."""
-        count = torch.tensor([len(placed)], dtype=torch.int64, device=self.device)
-        counts = [torch.empty_like(count) for _ in range(self.world_size)]
-        dist.all_gather(counts, count, group=self.group)
-        counts = [int(c) for c in counts]
-        local = torch.full((max(max(counts), 1), 4), math.nan, dtype=torch.float64)
-        if placed:
-            local[:len(placed)] = torch.tensor(placed, dtype=torch.float64)
-        local = local.to(self.device)
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local, group=self.group)
-        return [(t, int(d), int(delta), int(why)) for table, n in zip(gathered, counts)
-                for t, d, delta, why in table[:n].tolist()]
+    def _gather_step(self, table: torch.Tensor, placed: list[tuple]) -> tuple[list[torch.Tensor], list[tuple]]:
+        """Every rank's step table and observed memory changes (time, device, delta, reason), on every rank.
 
-    def _exchange(self, table: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's table, on every rank (one all_gather)."""
-        local = table.to(self.device)
+        One all_gather of one float64 tensor per rank: the table, room for `observed_room`
+        changes, and how many this rank has.  The room is the most any rank had in an earlier
+        step, the same number on every rank, so the tensors agree in size without asking.  When
+        a rank has more (the first step, or a batch of new shapes), a second all_gather sends
+        the changes padded to the new most, which becomes the room.
+        """
+        room = self.observed_room
+        mine = torch.full((room, 4), math.nan, dtype=torch.float64)
+        if placed and len(placed) <= room:
+            mine[:len(placed)] = torch.tensor(placed, dtype=torch.float64)
+        local = torch.cat([table.flatten(), mine.flatten(), torch.tensor([float(len(placed))], dtype=torch.float64)])
+        gathered = self._all_gather(local)
+        tables = [g[:table.numel()].view(table.shape) for g in gathered]
+        counts = [int(g[-1]) for g in gathered]
+        rows = [g[table.numel():-1].view(room, 4) for g in gathered]
+        if max(counts) > room:
+            self.observed_room = room = max(counts)
+            mine = torch.full((room, 4), math.nan, dtype=torch.float64)
+            if placed:
+                mine[:len(placed)] = torch.tensor(placed, dtype=torch.float64)
+            rows = self._all_gather(mine)
+        observed = [(t, int(d), int(delta), int(why)) for table_rows, n in zip(rows, counts)
+                    for t, d, delta, why in table_rows[:n].tolist()]
+        return tables, observed
+
+    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape on every rank), on every rank, on the CPU."""
+        local = tensor.to(self.device)
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.group)
         return [t.cpu() for t in gathered]

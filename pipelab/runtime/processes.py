@@ -142,8 +142,9 @@ def _report(reports: str, rank: int, message: str, details: str, timed_out: bool
             consequence: bool = False) -> None:
     record = {"rank": rank, "time": time.time(), "message": message, "details": details, "timed_out": timed_out,
               "consequence": consequence}
-    # written whole, then renamed: the agent may kill this rank mid-write, and a half file must never be read
-    partial = Path(reports, f".rank{rank}.partial")
+    # written whole, then renamed: the agent may kill this rank mid-write, and a half file must never be read;
+    # one name per thread, since the watchdog and the main thread (gloo's own timeout) can report at once
+    partial = Path(reports, f".rank{rank}.{threading.get_ident()}.partial")
     partial.write_text(json.dumps(record))
     os.replace(partial, Path(reports, f"rank{rank}.json"))
 
