@@ -332,12 +332,16 @@ def step_with_wrong_targets(width: int = 64, depth: int = 4, batch_size: int = 1
 
 def torchrun_command(n_machines: int = 2, processes_per_machine: int = 1, machine_rank: int = 0,
                      host: str = "HOST", port: int = 29500, schedule: str = "1f1b", n_microbatches: int = 8,
-                     steps: int = 20, width: int = WIDTH, depth: int = DEPTH, batch_size: int = BATCH_SIZE) -> str:
+                     steps: int = 20, width: int = WIDTH, depth: int = DEPTH, batch_size: int = BATCH_SIZE,
+                     interface: str = "eth0") -> str:
     """The `torchrun` command that runs this lesson's pipeline, one stage per process, on machine `machine_rank`.
 
     Stages = n_machines x processes_per_machine.  One machine needs no rendezvous address;
     several meet at `host:port` (the first machine's address, reachable from the others;
-    c10d rendezvous) and each runs the same command with its own --node-rank.
+    c10d rendezvous) and each runs the same command with its own --node-rank, prefixed by
+    `GLOO_SOCKET_IFNAME=<interface>,<interface>`: the network interface that reaches the
+    other machines, twice, so activations and gradients get a connection each
+    (`runtime/p2p.py`; on one machine `pipelab.launch` sets it to the loopback interface).
     """
     for name, value in (("n_machines", n_machines), ("processes_per_machine", processes_per_machine)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -348,7 +352,7 @@ def torchrun_command(n_machines: int = 2, processes_per_machine: int = 1, machin
     if n_machines == 1:
         launcher = ["torchrun", "--nproc-per-node", str(processes_per_machine)]
     else:
-        launcher = ["torchrun", "--nnodes", str(n_machines), "--nproc-per-node", str(processes_per_machine),
+        launcher = [f"GLOO_SOCKET_IFNAME={interface},{interface}", "torchrun", "--nnodes", str(n_machines), "--nproc-per-node", str(processes_per_machine),
                     "--node-rank", str(machine_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}"]
     program = ["-m", "pipelab.launch", "--model", "mlp", "--depth", str(depth), "--width", str(width),
                "--batch-size", str(batch_size), "--stages", str(stages), "--microbatches", str(n_microbatches),

@@ -4,13 +4,16 @@ One machine, two stages:
 
     torchrun --nproc-per-node 2 -m pipelab.launch --model mlp --stages 2 --microbatches 8 --schedule 1f1b --steps 20
 
-Two machines, one stage each (run on both; --node-rank 0 on the first, 1 on the second):
+Two machines, one stage each (run on both; --node-rank 0 on the first, 1 on the second;
+GLOO_SOCKET_IFNAME names the interface that reaches the other machine, twice, so that
+activations and gradients travel on separate connections: `runtime/p2p.py`):
 
-    torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
+    GLOO_SOCKET_IFNAME=eth0,eth0 torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
         -m pipelab.launch --model mlp --stages 2 --microbatches 8 --schedule 1f1b --steps 20
 
 The flags are those of `pipelab run`.  torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the
-rendezvous; this joins the process group (NCCL when the ranks use GPUs, else gloo, with
+rendezvous; this joins the process group (with every rank on this machine, on two loopback
+connections per pair of ranks unless GLOO_SOCKET_IFNAME is set) (NCCL when the ranks use GPUs, else gloo, with
 `--timeout-seconds` as the collectives' timeout), trains, and rank 0 prints the report and
 writes the timeline, the Chrome trace and (with --json) the figures.  A rank that raises is
 recorded for torchrun (`@record`), which then stops the others and prints that rank's error.

@@ -141,6 +141,8 @@ def _parse_torchrun(command: str):
     from torch.distributed.run import get_args_parser
 
     words = shlex.split(command)
+    if words[0].startswith("GLOO_SOCKET_IFNAME="):  # the environment of the command, for gloo
+        words = words[1:]
     assert words[0] == "torchrun"
     split_at = words.index("-m")
     assert words[split_at + 1] == "pipelab.launch"
@@ -152,7 +154,9 @@ def _parse_torchrun(command: str):
 
 def test_torchrun_command_for_two_machines_parses_with_torchrun_and_pipelab():
     for machine in (0, 1):
-        torchrun, args = _parse_torchrun(ce.torchrun_command(2, 1, machine, host="10.0.0.1"))
+        command = ce.torchrun_command(2, 1, machine, host="10.0.0.1", interface="ens5")
+        assert command.startswith("GLOO_SOCKET_IFNAME=ens5,ens5 torchrun ")  # a connection per direction
+        torchrun, args = _parse_torchrun(command)
         assert (torchrun.nnodes, torchrun.nproc_per_node, torchrun.node_rank) == ("2", "1", machine)
         assert torchrun.rdzv_backend == "c10d" and torchrun.rdzv_endpoint == "10.0.0.1:29500"
         assert (args.stages, args.microbatches, args.schedule, args.width, args.batch_size) == (2, 8, "1f1b", ce.WIDTH, ce.BATCH_SIZE)
