@@ -12,7 +12,10 @@ its group (and op):
   sent in t pieces (the hybrid transport marks it with `label`);
 - "tp": collectives on the tensor-parallel group (DTensor's all-reduces inside layers);
 - "dp": collectives on the data-parallel group (the gradient all-reduce);
-- "other": the rest (the step's table exchange for the Trace, the loss all-reduce).
+- "other": the rest (the step's table exchange for the Trace, sent point to point on gloo
+  and marked with `label`; the loss all-reduce).
+
+`label(kind)` puts every call inside it in `kind`, sends and receives included.
 
 A record's bytes are the payload the call was given (the input tensor of a collective, the
 sent tensor of a send), not what the algorithm puts on the wire: a ring all-reduce of N
@@ -39,7 +42,7 @@ _IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrie
 
 @contextlib.contextmanager
 def label(kind: str):
-    """Put the collectives issued inside in `kind` (whatever their group)."""
+    """Put the communication issued inside in `kind` (whatever its group or op)."""
     previous = getattr(_labels, "kind", None)
     _labels.kind = kind
     try:
@@ -115,13 +118,13 @@ class CommunicationCounter(TorchDispatchMode):
         size = sum(t.numel() * t.element_size() for t in payload)
         elements = sum(t.numel() for t in payload)
         group = _group_ranks(args)
-        if op == "send":
+        kind = getattr(_labels, "kind", None)
+        if kind is None and op == "send":
             kind = "pp"
-        elif op.startswith("recv"):
+        elif kind is None and op.startswith("recv"):
             kind = "pp_received"
-        else:
-            kind = getattr(_labels, "kind", None) or (self.group_kinds.get(group, "other") if group and len(group) > 1
-                                                      else "other")
+        elif kind is None:
+            kind = self.group_kinds.get(group, "other") if group and len(group) > 1 else "other"
         self.records.append(Record(kind, op, size, elements, group))
 
     def totals(self) -> dict[str, dict[str, int]]:

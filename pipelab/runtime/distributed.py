@@ -9,12 +9,14 @@ with `dist.isend` / `dist.irecv` (`runtime/p2p.py`).
 
 Timing is the wall clock of each rank, put on rank 0's clock by the offset
 `clock_sync.estimate_offset` measured when the pipeline is created.  At the end of each
-step the ranks exchange what they recorded (one `all_gather` of a small float64 table:
-each action's start and end, its wait for a message, when it sent its result, the bytes
-it kept, and the last stage's micro-batch losses), so **every rank returns the same
-complete Trace and the same loss**.  Each rank's observed memory changes
-(`runtime/memory_observer.py`: receive buffers from when they are posted, sends until
-they have gone) follow in a second, padded `all_gather`.
+step the ranks exchange what they recorded (a small float64 table: each action's start
+and end, its wait for a message, when it sent its result, the bytes it kept, and the last
+stage's micro-batch losses; then each rank's observed memory changes,
+`runtime/memory_observer.py`: receive buffers from when they are posted, sends until they
+have gone), so **every rank returns the same complete Trace and the same loss**.  One
+exchange per step (`_gather_step`): on gloo each rank sends its table straight to every
+other (`p2p.exchange`: one hop after the last rank finishes, where gloo's ring all_gather
+takes p - 1); on NCCL, one `all_gather`.
 """
 
 from __future__ import annotations
@@ -209,6 +211,8 @@ class DistributedPipeline:
         self.transport.observer = observer  # before start_step, which posts the first receives
         self.transport.start_step([_signature(chunk) for chunk in input_chunks])
         clock = ActionClock([self.device])
+        if self.backend == "gloo":  # the end-of-step exchange's receives, posted now (`p2p.exchange`)
+            self.transport.post_exchange(self._step_table_rows() * len(COLUMNS) + self.observed_room * 4 + 1)
 
         step_begin = time.perf_counter()
         with gc_paused():  # a full collection (~25 ms with torch loaded) on one rank would stall the others
@@ -236,9 +240,12 @@ class DistributedPipeline:
                          sent.get(action, math.nan) + offset,
                          worker.saved_bytes[i] if action.kind == "F" else math.nan,
                          worker.recomputed_bytes.get(i, 0) if action.kind == "B" else math.nan, float(loss)])
-        longest = max(map(len, self.schedule.actions))  # every rank sends a table of the same size
-        rows += [[math.nan] * len(COLUMNS)] * (longest - len(rows))
+        rows += [[math.nan] * len(COLUMNS)] * (self._step_table_rows() - len(rows))
         return torch.tensor(rows, dtype=torch.float64)
+
+    def _step_table_rows(self) -> int:
+        """Rows of every rank's step table: the longest device list (every rank sends a table of the same size)."""
+        return max(map(len, self.schedule.actions))
 
     def _place_observed(self, observer: MemoryObserver, clock: ActionClock) -> list[tuple]:
         """This rank's observed memory changes on rank 0's clock: its own clock shifted on a CPU, else
@@ -273,13 +280,15 @@ class DistributedPipeline:
             mine = torch.full((room, 4), math.nan, dtype=torch.float64)
             if placed:
                 mine[:len(placed)] = torch.tensor(placed, dtype=torch.float64)
-            rows = self._all_gather(mine)
+            rows = [g.view(room, 4) for g in self._all_gather(mine.flatten())]
         observed = [(t, int(d), int(delta), int(why)) for table_rows, n in zip(rows, counts)
                     for t, d, delta, why in table_rows[:n].tolist()]
         return tables, observed
 
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same shape on every rank), on every rank, on the CPU."""
+        """Every rank's 1-D float64 `tensor` (same size on every rank), on every rank, on the CPU."""
+        if self.backend == "gloo":
+            return self.transport.exchange(tensor)
         local = tensor.to(self.device)
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.group)
