@@ -293,7 +293,7 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
     return out
 
 
-def report(p: int, per_rank: list[dict]) -> dict:
+def report(p: int, per_rank: list[dict], batch: int = BATCH) -> dict:
     """Print the figures of one p; return the ones the summary needs."""
     med = statistics.median
     root, last = per_rank[0], per_rank[-1]
@@ -317,7 +317,8 @@ def report(p: int, per_rank: list[dict]) -> dict:
         ratio = t["pipelab"] / t["torch"]
         found[s] = t
         print(f"  {s:5s} step: pipelab {t['pipelab'] * 1e3:7.1f} ms  PyTorch {t['torch'] * 1e3:7.1f} ms  "
-              f"ratio pipelab/PyTorch {ratio:.3f} (target <= 0.90: {'met' if ratio <= 0.90 else 'missed'})")
+              f"ratio pipelab/PyTorch {ratio:.3f} ("
+              f"{'target <= 0.90: ' + ('met' if ratio <= 0.90 else 'missed') if batch == BATCH else 'informative'})")
         print(f"        pipelab with autograd's own accumulation (fused_accumulation=False): {t['plain'] * 1e3:.1f} ms, "
               f"ratio {t['plain'] / t['torch']:.3f}: the fused weight-gradient accumulation is worth "
               f"{1 - t['pipelab'] / t['plain']:.0%} of the step")
@@ -397,21 +398,25 @@ def main() -> None:
             print("\n".join(error.details.splitlines()[-25:]))
             continue
         print(f"(launch and run of p = {p}: {time.perf_counter() - start:.0f} s)")
-        found[(p, batch)] = report(p, per_rank)
+        found[(p, batch)] = report(p, per_rank, batch)
 
     print("\nsummary")
     for (p, batch), f in found.items():
         for s in SCHEDULES:
             ratio = f[s]["pipelab"] / f[s]["torch"]
-            print(f"  p={p} batch {batch} {s:5s}: pipelab/PyTorch {ratio:.3f} (target <= 0.90: "
-                  f"{'met' if ratio <= 0.90 else 'missed'}); makespan prediction error {f[('pred', s)]:+.1%}")
+            verdict = ("informative: the target is for the issue's batch" if batch != BATCH
+                       else f"target <= 0.90: {'met' if ratio <= 0.90 else 'missed'}")
+            print(f"  p={p} batch {batch} {s:5s}: pipelab/PyTorch {ratio:.3f} ({verdict}); "
+                  f"makespan prediction error {f[('pred', s)]:+.1%}")
     for (p, batch), f in found.items():
         if p != 2:
             continue
         for s in SCHEDULES:
             speedup = f["single"] / f[s]["pipelab"]
+            judged = batch == args.speedup_batch or not args.speedup_batch
+            verdict = f"target >= 1.5x: {'met' if speedup >= 1.5 else 'missed'}" if judged else "informative"
             print(f"  p=2 batch {batch} {s:5s}: pipelab speed-up over one process {speedup:.2f}x "
-                  f"(target >= 1.5x: {'met' if speedup >= 1.5 else 'missed'}; ideal 1.78x) = micro-batching "
+                  f"({verdict}; ideal 1.78x) = micro-batching "
                   f"{f['single'] / f['accumulated']:.2f}x * pipelining {f['accumulated'] / f[s]['pipelab']:.2f}x; "
                   f"parallel efficiency {f['efficiency']:.0%}; shortest op {f['shortest_op'] * 1e3:.2f} ms")
     print(f"CPU pressure after (some avg60): {_cpu_pressure()}; total {time.perf_counter() - begin:.0f} s")
