@@ -352,8 +352,9 @@ def torchrun_command(n_machines: int = 2, processes_per_machine: int = 1, machin
     if n_machines == 1:
         launcher = ["torchrun", "--nproc-per-node", str(processes_per_machine)]
     else:
-        launcher = [f"GLOO_SOCKET_IFNAME={interface},{interface}", "torchrun", "--nnodes", str(n_machines), "--nproc-per-node", str(processes_per_machine),
-                    "--node-rank", str(machine_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}"]
+        launcher = [f"GLOO_SOCKET_IFNAME={interface},{interface}", "torchrun", "--nnodes", str(n_machines),
+                    "--nproc-per-node", str(processes_per_machine), "--node-rank", str(machine_rank),
+                    "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{host}:{port}"]
     program = ["-m", "pipelab.launch", "--model", "mlp", "--depth", str(depth), "--width", str(width),
                "--batch-size", str(batch_size), "--stages", str(stages), "--microbatches", str(n_microbatches),
                "--schedule", schedule, "--steps", str(steps)]

@@ -12,9 +12,9 @@ activations and gradients travel on separate connections: `runtime/p2p.py`):
         -m pipelab.launch --model mlp --stages 2 --microbatches 8 --schedule 1f1b --steps 20
 
 The flags are those of `pipelab run`.  torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the
-rendezvous; this joins the process group (with every rank on this machine, on two loopback
-connections per pair of ranks unless GLOO_SOCKET_IFNAME is set) (NCCL when the ranks use GPUs, else gloo, with
-`--timeout-seconds` as the collectives' timeout), trains, and rank 0 prints the report and
+rendezvous; this joins the process group (NCCL when the ranks use GPUs, else gloo, with
+`--timeout-seconds` as the collectives' timeout; with every rank on this machine, gloo gets
+two loopback connections per pair of ranks unless GLOO_SOCKET_IFNAME is set), trains, and rank 0 prints the report and
 writes the timeline, the Chrome trace and (with --json) the figures.  A rank that raises is
 recorded for torchrun (`@record`), which then stops the others and prints that rank's error.
 """

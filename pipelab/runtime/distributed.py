@@ -131,7 +131,7 @@ class DistributedPipeline:
         self.asynchronous = attach_stashes(self.schedule, self.workers, optimizer)
         self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
-        self.observed_room = 0  # rows for observed memory changes in the step's one all_gather (`_gather_step`)
+        self.observed_room = 0  # rows for observed memory changes in the step's one exchange (`_gather_step`)
 
     def _split_by_time(self, model: nn.Module, sample: Any) -> Partition:
         """Rank 0 times every block; the costs are broadcast, so every rank computes the same cut."""
@@ -260,11 +260,11 @@ class DistributedPipeline:
     def _gather_step(self, table: torch.Tensor, placed: list[tuple]) -> tuple[list[torch.Tensor], list[tuple]]:
         """Every rank's step table and observed memory changes (time, device, delta, reason), on every rank.
 
-        One all_gather of one float64 tensor per rank: the table, room for `observed_room`
-        changes, and how many this rank has.  The room is the most any rank had in an earlier
-        step, the same number on every rank, so the tensors agree in size without asking.  When
-        a rank has more (the first step, or a batch of new shapes), a second all_gather sends
-        the changes padded to the new most, which becomes the room.
+        One exchange (`_all_gather`) of one float64 tensor per rank: the table, room for
+        `observed_room` changes, and how many this rank has.  The room is the most any rank had
+        in an earlier step, the same number on every rank, so the tensors agree in size without
+        asking.  When a rank has more (the first step, or a batch of new shapes), a second
+        exchange sends the changes padded to the new most, which becomes the room.
         """
         room = self.observed_room
         mine = torch.full((room, 4), math.nan, dtype=torch.float64)
@@ -286,7 +286,10 @@ class DistributedPipeline:
         return tables, observed
 
     def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's 1-D float64 `tensor` (same size on every rank), on every rank, on the CPU."""
+        """Every rank's 1-D float64 `tensor` (same size on every rank), on every rank, on the CPU.
+
+        gloo: `transport.exchange`, straight from each rank to every other; NCCL: `dist.all_gather`.
+        """
         if self.backend == "gloo":
             return self.transport.exchange(tensor)
         local = tensor.to(self.device)

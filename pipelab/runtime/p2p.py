@@ -21,8 +21,9 @@ The distributed engine's transport (the local engine's is `loop.InProcessTranspo
   lock: while the compute thread holds it to post an `isend`, gloo's I/O thread, woken by
   an arriving gradient, fails its try-lock and polls again at once, and on a busy core it
   can spin until the scheduler preempts it.  Measured on 2 cores (1F1B, p = 2, MLP 8x1024,
-  m = 8): the I/O thread used 7-10 ms of CPU per step on one connection and about 1 ms per
-  connection on two.  `use_two_connections` sets the variable for ranks on one machine.
+  m = 8, `benchmarks/vs_torch_pipelining.py --connections 1` or `2`): gloo's I/O threads
+  used 6-9 ms of CPU per step and rank on one connection, 1 ms on two, and the step took
+  91-96 ms against 81-84 ms.  `use_two_connections` sets the variable for ranks on one machine.
 - **Shapes without object collectives**: the first time an activation of a given input
   shape crosses a boundary, a small int64 header (dtype code, number of dimensions, the
   sizes) goes first; the receiver allocates from it and caches the answer, so later steps
@@ -230,7 +231,8 @@ class PointToPointTransport:
         that rank finishes, while the others still compute.
         """
         tag = _exchange_tag(self.n_stages, self.n_microbatches)
-        buffers = {peer: torch.empty(numel, dtype=torch.float64) for peer in range(self.group_size) if peer != self.rank}
+        peers = [peer for peer in range(self.group_size) if peer != self.rank]
+        buffers = {peer: torch.empty(numel, dtype=torch.float64) for peer in peers}
         with comm_count.label("other"):  # the trace's, not the pipeline's messages
             self.exchange_receives = {peer: (buffer, dist.irecv(buffer, group=self.group, group_src=peer, tag=tag))
                                       for peer, buffer in buffers.items()}
@@ -239,7 +241,7 @@ class PointToPointTransport:
         """Every rank's `tensor` (1-D float64, the same size on every rank), by rank, on every rank (gloo).
 
         What `dist.all_gather` returns, sent straight from each rank to every other into
-        receives posted in advance (`post_exchange`; posted here if none of this size are).
+        receives posted in advance (`post_exchange`; posted here when none are).
         gloo's all_gather passes the tensors round a ring, p - 1 hops after the last rank
         joins; here the last rank's part takes one hop and the others' are already there:
         it matters at the end of a step, when every rank waits for the one that finishes last.
