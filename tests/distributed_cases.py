@@ -108,10 +108,34 @@ def nccl_step(kind: str, schedule: str, n_microbatches: int) -> dict:
             "grads": {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def gloo_connections() -> tuple[str | None, int]:
-    """This rank's GLOO_SOCKET_IFNAME and the number of gloo I/O threads (one per device) it runs."""
-    names = []
+def _io_thread_wakeups() -> dict[int, int]:
+    """Per gloo I/O thread ("gloo_tcp_loop", one per device and connection), by thread id: its wakeups so far."""
+    found = {}
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{task}/comm") as comm:
-            names.append(comm.read().strip())
-    return os.environ.get("GLOO_SOCKET_IFNAME"), names.count("gloo_tcp_loop")
+            if comm.read().strip() != "gloo_tcp_loop":
+                continue
+        with open(f"/proc/self/task/{task}/status") as status:
+            found[int(task)] = int(status.read().split("voluntary_ctxt_switches:")[1].split()[0])
+    return found
+
+
+def gloo_connections(measure: bool = False) -> tuple:
+    """This rank's GLOO_SOCKET_IFNAME, its number of gloo I/O threads and, with `measure`, the
+    wakeups of each I/O thread while 200 messages go 0 -> 1 under pipelab's activation tags,
+    then under its gradient tags: which connection each direction really travels on."""
+    from pipelab.runtime.p2p import _tag
+
+    bursts = []
+    if measure:
+        m = 200
+        for kind, stage in (("F", 0), ("B", 1)):
+            dist.barrier()
+            before = _io_thread_wakeups()
+            message = torch.zeros(1000)
+            for i in range(m):
+                tag = _tag(pl.Action(kind, stage, i), m)
+                (dist.send if dist.get_rank() == 0 else dist.recv)(message, 1 - dist.get_rank(), tag=tag)
+            after = _io_thread_wakeups()
+            bursts.append({thread: after[thread] - before[thread] for thread in after})
+    return os.environ.get("GLOO_SOCKET_IFNAME"), len(_io_thread_wakeups()), bursts

@@ -192,9 +192,16 @@ def test_local_gloo_ranks_get_two_connections_per_pair_unless_the_user_chose(mon
 
     loopback = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
-    assert pl.distributed.launch(cases.gloo_connections, 2) == [(f"{loopback},{loopback}", 2)] * 2
+    for interfaces, threads, bursts in pl.distributed.launch(cases.gloo_connections, 2, True):
+        assert (interfaces, threads) == (f"{loopback},{loopback}", 2)
+        # measured, not derived from the tags: 200 activations wake one I/O thread, 200 gradients the other
+        (busy_forward, idle_forward), (busy_backward, idle_backward) = (
+            sorted(burst, key=burst.get, reverse=True) for burst in bursts)
+        assert busy_forward != busy_backward, bursts
+        for burst, busy, idle in ((bursts[0], busy_forward, idle_forward), (bursts[1], busy_backward, idle_backward)):
+            assert burst[busy] >= 100 and burst[idle] * 5 < burst[busy], bursts
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback)
-    assert pl.distributed.launch(cases.gloo_connections, 2) == [(loopback, 1)] * 2
+    assert pl.distributed.launch(cases.gloo_connections, 2) == [(loopback, 1, [])] * 2
 
 
 def test_launch_checks_its_arguments():

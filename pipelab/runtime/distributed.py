@@ -266,21 +266,21 @@ class DistributedPipeline:
         asking.  When a rank has more (the first step, or a batch of new shapes), a second
         exchange sends the changes padded to the new most, which becomes the room.
         """
+        def padded(room: int) -> torch.Tensor:  # this rank's changes in `room` rows (none if they do not fit)
+            rows = torch.full((room, 4), math.nan, dtype=torch.float64)
+            if placed and len(placed) <= room:
+                rows[:len(placed)] = torch.tensor(placed, dtype=torch.float64)
+            return rows.flatten()
+
         room = self.observed_room
-        mine = torch.full((room, 4), math.nan, dtype=torch.float64)
-        if placed and len(placed) <= room:
-            mine[:len(placed)] = torch.tensor(placed, dtype=torch.float64)
-        local = torch.cat([table.flatten(), mine.flatten(), torch.tensor([float(len(placed))], dtype=torch.float64)])
+        local = torch.cat([table.flatten(), padded(room), torch.tensor([float(len(placed))], dtype=torch.float64)])
         gathered = self._all_gather(local)
         tables = [g[:table.numel()].view(table.shape) for g in gathered]
         counts = [int(g[-1]) for g in gathered]
         rows = [g[table.numel():-1].view(room, 4) for g in gathered]
         if max(counts) > room:
             self.observed_room = room = max(counts)
-            mine = torch.full((room, 4), math.nan, dtype=torch.float64)
-            if placed:
-                mine[:len(placed)] = torch.tensor(placed, dtype=torch.float64)
-            rows = [g.view(room, 4) for g in self._all_gather(mine.flatten())]
+            rows = [g.view(room, 4) for g in self._all_gather(padded(room))]
         observed = [(t, int(d), int(delta), int(why)) for table_rows, n in zip(rows, counts)
                     for t, d, delta, why in table_rows[:n].tolist()]
         return tables, observed

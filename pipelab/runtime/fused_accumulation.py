@@ -21,8 +21,8 @@ d = 2048: 0.91-0.97.  Hence only weights of at least `MIN_WEIGHT_ELEMENTS` (512 
 are fused.
 
 Scope: the `nn.Linear` modules of a stage (their own `forward`, not a subclass's) whose
-weight has at least `MIN_WEIGHT_ELEMENTS` elements and is a plain parameter (not a DTensor or other wrapper) that requires grad and carries
-no hooks.  The weight gets its gradient without an `AccumulateGrad` node, so tensor hooks on
+weight has at least `MIN_WEIGHT_ELEMENTS` elements and is a plain parameter (not a DTensor
+or other wrapper) that requires grad and carries no hooks.  The weight gets its gradient without an `AccumulateGrad` node, so tensor hooks on
 it would not run: such weights are left to plain autograd, and so is any `F.linear` called
 outside a Linear module (a tied output layer) and every bias.  The result is the same sum,
 rounded once per micro-batch instead of twice: equal to plain autograd within float

@@ -32,7 +32,6 @@ backpropagates.  Memory between F and B drops to the input; B costs one more for
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass
 from typing import Any, Callable
 
