@@ -73,7 +73,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import statistics
 import sys
 import threading
@@ -85,6 +84,7 @@ from torch import nn
 
 import pipelab as pl
 from pipelab.runtime.fused_accumulation import FusedAccumulation
+from pipelab.runtime.p2p import loopback_interface
 
 DEPTH, WIDTH, BATCH, M = 8, 1024, 64, 8
 SCHEDULES = ("gpipe", "1f1b")
@@ -372,7 +372,7 @@ def main() -> None:
     if args.batch % M or args.speedup_batch % M:
         parser.error(f"--batch and --speedup-batch must be multiples of m = {M}")
 
-    loopback = next((name for _, name in socket.if_nameindex() if name.startswith("lo")), "lo")
+    loopback = loopback_interface() or "lo"
     os.environ["GLOO_SOCKET_IFNAME"] = ",".join([loopback] * args.connections)  # the ranks inherit it
     print(f"pipelab DistributedPipeline vs torch.distributed.pipelining: MLP depth {DEPTH} width {WIDTH} "
           f"(pl.models.mlp: last block a plain Linear), batch {args.batch}, m = {M}, MSE mean, gloo, 1 thread per rank, "

@@ -188,9 +188,9 @@ def test_activations_and_gradients_have_tags_of_their_own_parity_and_every_messa
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
 def test_local_gloo_ranks_get_two_connections_per_pair_unless_the_user_chose(monkeypatch):
-    import socket
+    from pipelab.runtime.p2p import loopback_interface
 
-    loopback = next(name for _, name in socket.if_nameindex() if name.startswith("lo"))
+    loopback = loopback_interface()
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     for interfaces, threads, bursts in pl.distributed.launch(cases.gloo_connections, 2, True):
         assert (interfaces, threads) == (f"{loopback},{loopback}", 2)

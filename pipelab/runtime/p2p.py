@@ -68,6 +68,11 @@ def _exchange_tag(n_stages: int, n_microbatches: int) -> int:
     return 4 * (n_stages * n_microbatches + 1)
 
 
+def loopback_interface() -> str | None:
+    """The name of this machine's loopback network interface ("lo" on Linux, "lo0" on macOS), or None."""
+    return next((name for _, name in socket.if_nameindex() if name.startswith("lo")), None)
+
+
 def use_two_connections(environ=os.environ) -> str | None:
     """For gloo ranks all on this machine: two connections per pair of ranks (module docstring).
 
@@ -77,10 +82,10 @@ def use_two_connections(environ=os.environ) -> str | None:
     yourself, to the interface that reaches the other machines, twice: `GLOO_SOCKET_IFNAME=eth0,eth0`.
     """
     if "GLOO_SOCKET_IFNAME" not in environ:
-        loopback = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
-        if not loopback:
+        loopback = loopback_interface()
+        if loopback is None:
             return None
-        environ["GLOO_SOCKET_IFNAME"] = f"{loopback[0]},{loopback[0]}"
+        environ["GLOO_SOCKET_IFNAME"] = f"{loopback},{loopback}"
     return environ["GLOO_SOCKET_IFNAME"]
 
 
