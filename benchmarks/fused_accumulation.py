@@ -1,4 +1,4 @@
-"""What the fused weight-gradient accumulation is worth, by layer width (`pipelab/runtime/fused_accumulation.py`).
+"""What the fused weight-gradient accumulation is worth, by layer width (`pipelab/model/fused_accumulation.py`).
 
     .venv/bin/python benchmarks/fused_accumulation.py [--widths 256 512 1024 2048] [--rows 8 64] [--rounds 3]
 
@@ -21,7 +21,7 @@ import time
 import torch
 
 import pipelab as pl
-from pipelab.runtime.fused_accumulation import MIN_WEIGHT_ELEMENTS, FusedAccumulation
+from pipelab.model.fused_accumulation import MIN_WEIGHT_ELEMENTS, FusedAccumulation
 
 MICROBATCHES = 8
 

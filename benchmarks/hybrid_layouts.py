@@ -9,7 +9,7 @@ each model and each of the six layouts with dp·pp·tp = 4 (`pl.Layout.all_for(4
 - one warm-up step; one step inside `pipe.count_communication()` (the real calls, per rank);
 - rounds that alternate the layouts: `--steps` steps each, timed from a barrier to the
   slowest rank's return (median over all timed steps);
-- the closed forms of `runtime/comm_formulas.py` for the same ranks (Megatron-LM, ZeRO).
+- the closed forms of `predict/comm_formulas.py` for the same ranks (Megatron-LM, ZeRO).
 
 Printed, one row per (model, layout): median step time; per kind the bytes of one step
 summed over the 4 ranks, measured / formula ("pp": point-to-point sends between stages;
@@ -33,9 +33,9 @@ import time
 import torch
 
 import pipelab as pl
-from pipelab.communication import ring_allreduce_elements_per_device
-from pipelab.runtime.comm_formulas import STEP_KINDS as KINDS
-from pipelab.runtime.comm_formulas import step_bytes
+from pipelab.predict.communication import ring_allreduce_elements_per_device
+from pipelab.predict.comm_formulas import STEP_KINDS as KINDS
+from pipelab.predict.comm_formulas import step_bytes
 
 MODELS = {"mlp": dict(batch=64), "gpt": dict(batch=16)}
 MICROBATCHES = 4

@@ -24,8 +24,8 @@ matplotlib.use("Agg")
 import torch  # noqa: E402
 
 import pipelab as pl  # noqa: E402
-from pipelab.gc_pause import gc_paused  # noqa: E402
-from pipelab.widgets import ExplorerPanels, _png, explorer_figures, explorer_pictures, explorer_view  # noqa: E402
+from pipelab.common.gc_pause import gc_paused  # noqa: E402
+from pipelab.show.widgets import ExplorerPanels, _png, explorer_figures, explorer_pictures, explorer_view  # noqa: E402
 
 
 def throughput(repeats: int = 5) -> float:

@@ -27,7 +27,7 @@ Printed (medians over steps, all from this one run):
 2. Per (p, schedule): median step time of pipelab and of PyTorch, and the ratio
    pipelab / PyTorch.  Target: <= 0.90.  What pipelab does that PyTorch's stage does not:
    each Linear adds its weight gradient into `.grad` inside the multiply
-   (`pipelab/runtime/fused_accumulation.py`) instead of computing it and adding it after;
+   (`pipelab/model/fused_accumulation.py`) instead of computing it and adding it after;
    the same pipeline with autograd's accumulation is printed beside it, so the ratio's
    source is visible (without it the two engines are level).  The ranks run with two gloo
    connections per pair of ranks (`GLOO_SOCKET_IFNAME=lo,lo`, as `pl.distributed.launch`
@@ -83,7 +83,7 @@ import torch.distributed as dist
 from torch import nn
 
 import pipelab as pl
-from pipelab.runtime.fused_accumulation import FusedAccumulation
+from pipelab.model.fused_accumulation import FusedAccumulation
 from pipelab.runtime.p2p import loopback_interface
 
 DEPTH, WIDTH, BATCH, M = 8, 1024, 64, 8

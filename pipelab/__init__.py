@@ -5,37 +5,56 @@
     pipe = pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule="1f1b", loss_fn=torch.nn.MSELoss())
     result = pipe.step(x, y)        # result.loss, result.trace
     pl.plot.timeline(result.trace)
+
+This file is the public face: it re-exports, nothing else.  The flow lives in the
+subpackages (docs/architecture.md): schedules (the IR) → predict → runtime → show, with
+model (what a stage computes) beside prediction, course (the lessons' helpers) on top, and
+common at the bottom.
 """
 
-from . import microbatch, models, schedules
-from .about import about, describe
-from .actions import Action, Schedule
-from .errors import PipelineError, ScheduleError
-from .costs import Costs
-from .layout import Layout
-from .partition import Partition, split
-from .reference import max_gradient_difference, single_device_gradients
-from .runtime.local import Pipeline, StepResult
-from .runtime.distributed import DistributedPipeline
-from .runtime.processes import DistributedError
+import importlib
+
+from . import schedules
+from .about import __version__, about, describe
+from .common.errors import PipelineError, ScheduleError
+from .model import microbatch, models
+from .model.partition import Partition, split
+from .model.reference import max_gradient_difference, single_device_gradients
+from .predict.costs import Costs
+from .predict.layout import Layout
+from .predict.simulate import simulate
 from .runtime.checkpoint import CheckpointError
-from .simulate import simulate
-from .trace import Event, MemorySample, Message, Trace, Wait
+from .runtime.distributed import DistributedPipeline
+from .runtime.local import Pipeline, StepResult
+from .runtime.processes import DistributedError
+from .schedules.action import Action
+from .schedules.schedule import Schedule
+from .schedules.trace import Event, MemorySample, Message, Trace, Wait
 
-__version__ = "0.1.0"
+LAZY = {  # pl.<name> -> its module, imported when first asked for (matplotlib and ipywidgets are slow to load)
+    "plot": "show.plot", "widgets": "show.widgets",
+    "distributed": "distributed",
+    "communication": "predict.communication", "hybrid_costs": "predict.hybrid_costs",
+    "pipedream": "schedules.pipedream", "warmup_depth": "schedules.warmup_depth",
+    "split_backward": "model.split_backward", "threads": "common.threads",
+    **{name: f"course.{name}" for name in ("balance", "compare_engines", "fastest", "grade", "gradients",
+                                           "hybrid_lesson", "phases", "pipedream_run", "quiz", "sync_async")},
+}
 
 
-def __getattr__(name):  # matplotlib and ipywidgets are imported only when asked for
-    if name in ("plot", "widgets", "distributed", "compare_engines", "quiz", "balance", "communication", "fastest",
-                "gradients", "phases", "pipedream", "split_backward", "warmup_depth", "pipedream_run", "sync_async",
-                "hybrid_costs", "hybrid_lesson"):
-        import importlib
-
-        return importlib.import_module(f"{__name__}.{name}")
+def __getattr__(name):
+    if name in LAZY:
+        return importlib.import_module(f"{__name__}.{LAZY[name]}")
     raise AttributeError(f"module 'pipelab' has no attribute {name!r}")
 
 
+def __dir__():
+    return sorted(set(globals()) | set(LAZY))
+
+
 __all__ = [
-    "Action", "CheckpointError", "Costs", "Layout", "DistributedError", "DistributedPipeline", "Event", "Message", "Wait", "compare_engines", "distributed", "simulate", "about", "describe", "max_gradient_difference", "single_device_gradients", "MemorySample", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
-    "StepResult", "Trace", "microbatch", "models", "plot", "quiz", "schedules", "split",
+    "__version__", "Action", "CheckpointError", "Costs", "DistributedError", "DistributedPipeline", "Event", "Layout",
+    "MemorySample", "Message", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
+    "StepResult", "Trace", "Wait", "about", "describe", "max_gradient_difference", "microbatch", "models",
+    "schedules", "simulate", "single_device_gradients", "split", *LAZY,
 ]

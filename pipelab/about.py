@@ -6,12 +6,12 @@ import platform
 
 import torch
 
+__version__ = "0.1.0"
+
 
 def about() -> dict:
     """A summary of the installation, as a dict (printed by lesson 00 and `pipelab run`)."""
     gpus = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
-    from . import __version__
-
     return {
         "pipelab": __version__,
         "python": platform.python_version(),

@@ -15,7 +15,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .training import positive, add_run_arguments, finish, train_local, train_rank, write_outputs
+import torch
+
+from .course.grade import main as grade_main
+from .predict.costs import Costs
+from .predict.simulate import simulate as run_simulation
+from .runtime.processes import DistributedError, launch
+from .schedules import by_name
+from .training import add_run_arguments, finish, positive, train_local, train_rank, write_outputs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,8 +57,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["grade"]:  # everything after "grade" (options included) belongs to the grader
-        from .grade import main as grade_main
-
         return grade_main(argv[1:])
     if argv[:1] == ["lab"]:  # ... and after "lab" to jupyter lab (e.g. --no-browser --port 8899)
         return lab(argv[1:])
@@ -62,14 +67,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .runtime.processes import DistributedError, launch
-
     try:
         if args.backend == "local":
             summary = train_local(args)
         else:
-            import torch
-
             nproc = args.stages if args.nproc is None else args.nproc
             gpus = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
             if gpus:
@@ -87,11 +88,9 @@ def run(args: argparse.Namespace) -> int:
 
 
 def simulate(args: argparse.Namespace) -> int:
-    import pipelab as pl
-
     try:
-        schedule = pl.schedules.by_name(args.schedule, args.stages, args.microbatches)
-        trace = pl.simulate(schedule, pl.Costs(forward=args.forward, backward=args.backward, latency=args.latency))
+        schedule = by_name(args.schedule, args.stages, args.microbatches)
+        trace = run_simulation(schedule, Costs(forward=args.forward, backward=args.backward, latency=args.latency))
     except (ValueError, TypeError) as error:
         print(f"pipelab simulate: {error}", file=sys.stderr)
         return 2

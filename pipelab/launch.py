@@ -26,16 +26,16 @@ import os
 import sys
 from datetime import timedelta
 
+import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .runtime.p2p import use_two_connections
 from .training import add_run_arguments, finish, train_rank
 
 
 @record
 def main(argv: list[str] | None = None) -> int:
-    import torch
-    import torch.distributed as dist
-
     parser = argparse.ArgumentParser(prog="torchrun ... -m pipelab.launch",
                                      description="One pipeline stage per process (run it under torchrun).")
     add_run_arguments(parser)
@@ -49,7 +49,6 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         args.device = "auto"  # cuda:LOCAL_RANK
     elif os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):  # every rank on this machine
-        from .runtime.p2p import use_two_connections
         use_two_connections()  # activations and gradients on separate gloo connections (runtime/p2p.py)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout_seconds))
     try:

@@ -14,7 +14,15 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from .trace import Trace
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .model import models
+from .runtime.distributed import DistributedPipeline
+from .runtime.local import Pipeline
+from .schedules import by_name
+from .schedules.trace import Trace
 
 
 @dataclass
@@ -60,20 +68,15 @@ def positive(text: str) -> int:
 
 
 def _model_and_batch(args):
-    import pipelab as pl
-
     if args.model == "mlp":
-        model = pl.models.mlp(depth=args.depth, width=args.width, seed=args.seed)
+        model = models.mlp(depth=args.depth, width=args.width, seed=args.seed)
     else:
-        model = pl.models.tiny_gpt(n_layers=args.depth, d_model=args.width, n_heads=4, seed=args.seed)
-    inputs, targets = pl.models.sample_batch(model, args.batch_size, seed=args.seed)
+        model = models.tiny_gpt(n_layers=args.depth, d_model=args.width, n_heads=4, seed=args.seed)
+    inputs, targets = models.sample_batch(model, args.batch_size, seed=args.seed)
     return model, inputs, targets
 
 
 def _train(pipe, parameters, inputs, targets, args, show_progress: bool) -> tuple[list[float], list[float], Trace]:
-    import torch
-    from tqdm import tqdm
-
     optimizer = torch.optim.Adam(parameters, lr=args.lr)
     losses, step_seconds = [], []
     steps = range(args.steps)
@@ -90,10 +93,8 @@ def _train(pipe, parameters, inputs, targets, args, show_progress: bool) -> tupl
 
 
 def train_local(args) -> RunSummary:
-    import pipelab as pl
-
     model, inputs, targets = _model_and_batch(args)
-    pipe = pl.Pipeline(model, args.stages, args.microbatches, args.schedule, pl.models.default_loss(model),
+    pipe = Pipeline(model, args.stages, args.microbatches, args.schedule, models.default_loss(model),
                        devices=args.device, split_method=args.split, sample=inputs)
     losses, seconds, trace = _train(pipe, model.parameters(), inputs, targets, args, show_progress=True)
     return RunSummary(pipe.schedule.name, pipe.n_stages, pipe.n_microbatches, pipe.partition.bounds,
@@ -102,13 +103,9 @@ def train_local(args) -> RunSummary:
 
 def train_rank(args) -> RunSummary:
     """Train on this rank of the current process group (rank 0 shows the progress bar)."""
-    import torch.distributed as dist
-
-    import pipelab as pl
-
     model, inputs, targets = _model_and_batch(args)
     device = None if args.device == "auto" else args.device
-    pipe = pl.DistributedPipeline(model, args.microbatches, _schedule(args), pl.models.default_loss(model),
+    pipe = DistributedPipeline(model, args.microbatches, _schedule(args), models.default_loss(model),
                                   device=device, split_method=args.split, sample=inputs)
     losses, seconds, trace = _train(pipe, pipe.parameters(), inputs, targets, args,
                                     show_progress=dist.get_rank() == 0)
@@ -118,9 +115,7 @@ def train_rank(args) -> RunSummary:
 
 def _schedule(args):
     """The named schedule for --stages devices, so that a world size that differs is named as such."""
-    import pipelab as pl
-
-    return pl.schedules.by_name(args.schedule, args.stages, args.microbatches)
+    return by_name(args.schedule, args.stages, args.microbatches)
 
 
 def finish(summary: RunSummary, args) -> None:
@@ -151,10 +146,10 @@ def figures(summary: RunSummary) -> dict:
 
 def write_outputs(trace: Trace, png: Path, chrome: Path) -> None:
     """Save the timeline PNG and the Chrome trace, and say where they are."""
-    import pipelab as pl
+    from .show import plot  # matplotlib loads only when a picture is written
 
     png.parent.mkdir(parents=True, exist_ok=True)
-    pl.plot.timeline(trace).savefig(png, dpi=120)
+    plot.timeline(trace).savefig(png, dpi=120)
     trace.to_chrome_trace(chrome)
     print(f"\ntimeline: {png}\nChrome trace (open in Perfetto or chrome://tracing): {chrome}")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import pipelab as pl
-from pipelab.layout import Layout
+from pipelab.predict.layout import Layout
 
 BATCH = 19  # prime: the replicas' shares and the micro-batches are uneven
 

@@ -6,11 +6,11 @@ orders can run at all).
 
 from __future__ import annotations
 
-from pipelab.actions import Action, Schedule
+from pipelab.schedules import Action, Schedule
 
 
 def needs(action: Action, n_stages: int) -> list[Action]:
-    """DESIGN.md's dependency rules, written out again (not read from pipelab.actions.NEEDS)."""
+    """DESIGN.md's dependency rules, written out again (not read from pipelab.schedules.action.NEEDS)."""
     kind, s, i = action
     if kind == "F":
         return [Action("F", s - 1, i)] if s > 0 else []

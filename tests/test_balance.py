@@ -1,13 +1,13 @@
-"""pipelab.balance: stage costs, the greedy fill, brute force, and balanced_bounds held against brute force."""
+"""pipelab.course.balance: stage costs, the greedy fill, brute force, and balanced_bounds held against brute force."""
 
 import math
 import random
 
 import pytest
 
-from pipelab.balance import (bottleneck, brute_force_bottleneck, every_cut, greedy_bounds, speedup_bound,
+from pipelab.course.balance import (bottleneck, brute_force_bottleneck, every_cut, greedy_bounds, speedup_bound,
                              stage_costs)
-from pipelab.partition import balanced_bounds
+from pipelab.model.partition import balanced_bounds
 
 
 def test_stage_costs_and_bottleneck():

@@ -1,8 +1,8 @@
-"""pipelab.communication: the formulas, and the ring all-reduce's bytes counted on a ring written out here."""
+"""pipelab.predict.communication: the formulas, and the ring all-reduce's bytes counted on a ring written out here."""
 
 import pytest
 
-from pipelab.communication import (layout_bytes, pipeline_elements_per_device, pipeline_sent,
+from pipelab.predict.communication import (layout_bytes, pipeline_elements_per_device, pipeline_sent,
                                    ring_allreduce_elements_per_device, tensor_parallel_sent,
                                    tensor_parallel_elements_per_device, transformer_layer_parameters)
 

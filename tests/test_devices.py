@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelab.errors import PipelineError
+from pipelab.common.errors import PipelineError
 from pipelab.runtime.devices import assign_devices
 
 CPU = torch.device("cpu")

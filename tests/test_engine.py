@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 import pipelab as pl
-from pipelab.timing import run_dependencies
+from pipelab.schedules.dependencies import run_dependencies
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

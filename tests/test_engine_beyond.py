@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import pipelab as pl
 from pipelab import schedules
-from pipelab.actions import Action
+from pipelab.schedules.action import Action
 
 BATCH = 19  # prime: uneven micro-batches for every m > 1
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)

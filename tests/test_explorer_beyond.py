@@ -9,7 +9,7 @@ widget driven from the kernel (no browser).
 import pytest
 
 import pipelab as pl
-from pipelab.widgets import SCHEDULES, UNIT, explorer, explorer_figures, explorer_view, run_for_real
+from pipelab.show.widgets import SCHEDULES, UNIT, explorer, explorer_figures, explorer_view, run_for_real
 from test_figures_fit import assert_texts_inside, drawn_texts  # noqa: F401  (a fixture)
 
 

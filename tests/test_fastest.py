@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import pipelab as pl
-from pipelab.fastest import fastest_step
+from pipelab.course.fastest import fastest_step
 
 
 class ScriptedPipe:

@@ -1,4 +1,4 @@
-"""Weight gradients accumulated inside the multiply (`runtime/fused_accumulation.py`), against plain autograd.
+"""Weight gradients accumulated inside the multiply (`model/fused_accumulation.py`), against plain autograd.
 
 The reference is PyTorch's own accumulation: the same micro-batches backpropagated one after the other
 with nothing swapped in (each weight gradient computed, then added into `.grad` by `AccumulateGrad`).
@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import pipelab as pl
-from pipelab.runtime import fused_accumulation
-from pipelab.runtime.fused_accumulation import FusedAccumulation
+from pipelab.model import fused_accumulation
+from pipelab.model.fused_accumulation import FusedAccumulation
 
 
 def _grads(model):

@@ -3,7 +3,7 @@
 import gc
 import weakref
 
-from pipelab.gc_pause import gc_paused
+from pipelab.common.gc_pause import gc_paused
 
 
 class Node:

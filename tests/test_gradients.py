@@ -1,4 +1,4 @@
-"""pipelab.gradients against PyTorch's own norm and clipping."""
+"""pipelab.course.gradients against PyTorch's own norm and clipping."""
 
 import copy as copy_module
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pipelab as pl
-from pipelab.gradients import global_norm, gradient_norm, norm_ratio, stage_gradient_norms
+from pipelab.course.gradients import global_norm, gradient_norm, norm_ratio, stage_gradient_norms
 
 
 def _model_with_gradients():

@@ -1,7 +1,7 @@
 """The graders are graded: tests of tests/tasks, exercises/, solutions/ and pipelab grade.
 
 The plain ``python -m pytest`` does not collect tests/tasks (see tests/conftest.py).
-These tests run it in subprocesses, through ``pipelab.grade.run_task_tests``, and check:
+These tests run it in subprocesses, through ``pipelab.course.grade.run_task_tests``, and check:
 
 - on solutions/, every graded test passes;
 - on the stubs of exercises/, every graded test fails with the NotImplementedError of
@@ -179,7 +179,7 @@ def balanced_bounds(costs, n_stages):
 
 def test_grade_stops_a_hanging_test_and_grades_the_other_tasks(tmp_path, capsys):
     """The loop is reached inside a hypothesis test: hypothesis catches pytest-timeout's
-    signal and retries the example, so the watchdog in pipelab.grade must kill the run and
+    signal and retries the example, so the watchdog in pipelab.course.grade must kill the run and
     run the other tasks again."""
     (tmp_path / "partition.py").write_text(HANGS_ON_SOME_SIZES, encoding="utf-8")
     shutil.copy(ROOT / "exercises" / "microbatch.py", tmp_path)
@@ -271,9 +271,9 @@ def test_grading_writes_nothing_into_the_checkout(tmp_path):
 
 
 def _grade_root(copy: Path) -> str:
-    """Where pipelab.grade lives when imported in ``copy`` (the copy's own package)."""
+    """Where pipelab.course.grade lives when imported in ``copy`` (the copy's own package)."""
     return subprocess.run(
-        [sys.executable, "-c", "import pipelab.grade as g; print(g.ROOT / 'pipelab')"],
+        [sys.executable, "-c", "import pipelab.course.grade as g; print(g.ROOT / 'pipelab')"],
         cwd=copy, capture_output=True, text=True, timeout=60,
     ).stdout.strip()
 

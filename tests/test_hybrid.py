@@ -7,7 +7,7 @@ single-device gradient of every parameter of its stage.
 
 Communication: the counts come from the real calls (a dispatch mode sees every c10d and
 DTensor collective, `runtime/comm_count.py`); they are compared with the closed forms of
-`runtime/comm_formulas.py` (Megatron-LM, ZeRO), written from the model's dimensions, and
+`predict/comm_formulas.py` (Megatron-LM, ZeRO), written from the model's dimensions, and
 for three cases with numbers worked out by hand below.  Three launches (2, 4, 8 ranks).
 """
 
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import pipelab as pl
-from pipelab.layout import Layout
-from pipelab.runtime.comm_formulas import expected_communication
+from pipelab.predict.layout import Layout
+from pipelab.predict.comm_formulas import expected_communication
 
 import hybrid_cases as cases
 from hybrid_cases import BATCH, make_model

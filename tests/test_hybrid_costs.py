@@ -5,7 +5,7 @@ import math
 import pytest
 
 import pipelab as pl
-from pipelab.hybrid_costs import Link, ModelCosts, all_reduce_seconds, cluster_links, predict
+from pipelab.predict.hybrid_costs import Link, ModelCosts, all_reduce_seconds, cluster_links, predict
 
 MODEL = ModelCosts(forward_seconds=8.0, backward_seconds=16.0, activation_bytes=1e6, n_layers=16, parameter_bytes=8e9)
 # a GPT layer stack of h=8192 at s=2048, one sequence per micro-batch in bf16: A = 2048·8192·2 bytes

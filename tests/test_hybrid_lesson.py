@@ -1,11 +1,11 @@
-"""Lesson 08's functions (pipelab/hybrid_lesson.py) beside what they are built on.
+"""Lesson 08's functions (pipelab/course/hybrid_lesson.py) beside what they are built on.
 
 `run_layouts` itself runs in the lesson under nbval (its engine is tested in tests/test_hybrid.py)."""
 
 import pipelab as pl
-import pipelab.hybrid_lesson as lesson
-from pipelab.hybrid_costs import cluster_links, predict
-from pipelab.runtime.comm_formulas import step_bytes
+import pipelab.course.hybrid_lesson as lesson
+from pipelab.predict.hybrid_costs import cluster_links, predict
+from pipelab.predict.comm_formulas import step_bytes
 
 
 def test_real_runs_multiply_to_their_gpus():

@@ -15,9 +15,9 @@ import torch
 from torch import nn
 
 import pipelab as pl
-from pipelab.actions import Action
+from pipelab.schedules.action import Action
 from pipelab.runtime.memory_observer import REASONS, MemoryObserver, observed_breakdown, observed_samples
-from pipelab.trace import MemorySample, Trace
+from pipelab.schedules.trace import MemorySample, Trace
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

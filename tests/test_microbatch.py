@@ -1,4 +1,4 @@
-"""`pipelab.microbatch`: split a batch into micro-batches and merge them back."""
+"""`pipelab.model.microbatch`: split a batch into micro-batches and merge them back."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`pipelab.models`: the reference models are deterministic, BatchNorm-free, shaped as documented."""
+"""`pipelab.model.models`: the reference models are deterministic, BatchNorm-free, shaped as documented."""
 
 from __future__ import annotations
 

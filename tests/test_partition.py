@@ -1,4 +1,4 @@
-"""`pipelab.partition`: balanced contiguous cuts, and `pl.split` of a model into stages."""
+"""`pipelab.model.partition`: balanced contiguous cuts, and `pl.split` of a model into stages."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pipelab as pl
-from pipelab.partition import balanced_bounds, uniform_bounds
+from pipelab.model.partition import balanced_bounds, uniform_bounds
 
 
 def brute_force_best(costs, n_stages):

@@ -1,9 +1,9 @@
-"""pipelab.phases: GPipe's fill / steady state / drain against the simulator's trace."""
+"""pipelab.course.phases: GPipe's fill / steady state / drain against the simulator's trace."""
 
 import pytest
 
 import pipelab as pl
-from pipelab.phases import busy_devices, fill_drain_phases
+from pipelab.course.phases import busy_devices, fill_drain_phases
 
 
 @pytest.mark.parametrize("p, m, t_f, t_b", [(4, 8, 1.0, 2.0), (2, 2, 1.0, 1.0), (3, 7, 0.5, 1.5), (4, 4, 1.0, 3.0)])

@@ -1,4 +1,4 @@
-"""Asynchronous PipeDream (`pipelab.pipedream_run.train_async`) against a plain sequential reference.
+"""Asynchronous PipeDream (`pipelab.course.pipedream_run.train_async`) against a plain sequential reference.
 
 The reference applies the same stale-weight rule with no pipeline at all: micro-batch i
 goes through the whole model at once, stage s using its weights of version
@@ -19,7 +19,7 @@ import torch
 from torch.func import functional_call
 
 import pipelab as pl
-from pipelab.pipedream_run import train_async
+from pipelab.course.pipedream_run import train_async
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

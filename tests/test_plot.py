@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pipelab as pl
-from pipelab.trace import Event, MemorySample, Trace
+from pipelab.schedules.trace import Event, MemorySample, Trace
 
 
 def two_device_trace(source="replayed"):

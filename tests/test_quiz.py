@@ -5,7 +5,7 @@ import math
 import pytest
 
 import pipelab as pl
-from pipelab.quiz import choice_index, judge_choice, judge_number, parse_number, relative_error
+from pipelab.course.quiz import choice_index, judge_choice, judge_number, parse_number, relative_error
 
 
 def test_relative_error_against_the_answer():

@@ -1,4 +1,4 @@
-"""Schedule generators, `Action`/`Schedule` text forms, and the dependency loop (`pipelab.timing`).
+"""Schedule generators, `Action`/`Schedule` text forms, and the dependency loop (`pipelab.schedules.dependencies`).
 
 Every expectation here comes from somewhere other than the code under test: a closed
 form, a count taken by walking the action lists, the drawing in a docstring, or
@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelab import schedules
-from pipelab.actions import Action, Schedule
-from pipelab.errors import ScheduleError
-from pipelab.timing import run_dependencies
+from pipelab.schedules import Action, Schedule
+from pipelab.common.errors import ScheduleError
+from pipelab.schedules.dependencies import run_dependencies
 from reference_timing import needs, reference_times
 
 GENERATORS = {"gpipe": schedules.gpipe, "1f1b": schedules.one_f_one_b}

@@ -15,8 +15,8 @@ import pytest
 
 import pipelab as pl
 from pipelab import schedules
-from pipelab.actions import Action
-from pipelab.pipedream import versions_in_flight, weight_versions
+from pipelab.schedules.action import Action
+from pipelab.schedules.pipedream import versions_in_flight, weight_versions
 
 GRID = [(p, m) for p in range(1, 7) for m in range(1, 13)]
 INTERLEAVED_GRID = [(p, m, v) for p in range(1, 7) for v in range(1, 5) for m in (p, 2 * p, 3 * p)]

@@ -12,7 +12,7 @@ from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
 import pipelab as pl
 from pipelab import schedules
-from pipelab.actions import Action
+from pipelab.schedules.action import Action
 
 SHAPES = [(4, 8), (2, 4), (8, 16)]
 

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings, strategies as st
 
 import pipelab as pl
-from pipelab.actions import Action
+from pipelab.schedules.action import Action
 
 SCHEDULES = [pl.schedules.gpipe, pl.schedules.one_f_one_b]
 

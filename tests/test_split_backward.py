@@ -1,4 +1,4 @@
-"""B/W split of a stage's backward (`pipelab.split_backward`) against one plain backward.
+"""B/W split of a stage's backward (`pipelab.model.split_backward`) against one plain backward.
 
 Reference: `torch.autograd.grad` of the same output w.r.t. the input and every weight at
 once.  The split must give the same tensors bit for bit, and W must not run the nodes of
@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import pipelab as pl
-from pipelab.split_backward import _graph, backward_input, backward_weight
+from pipelab.model.split_backward import _graph, backward_input, backward_weight
 
 
 def split_run(stage: nn.Module, inp: torch.Tensor, grad_output: torch.Tensor | None):

@@ -1,4 +1,4 @@
-"""Synchronous 1F1B beside asynchronous PipeDream (`pipelab.sync_async`).
+"""Synchronous 1F1B beside asynchronous PipeDream (`pipelab.course.sync_async`).
 
 References from outside the code under test: 1F1B's closed-form makespan (m + p - 1)(t_F + t_B)
 (PipeDream-2BW §3.2), the docstring's drawing, and plain minibatch training of the whole
@@ -14,7 +14,7 @@ import torch
 
 import pipelab as pl
 from pipelab import schedules
-from pipelab.sync_async import flushed_1f1b, train_flushed, update_times
+from pipelab.course.sync_async import flushed_1f1b, train_flushed, update_times
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

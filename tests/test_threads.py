@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import pipelab as pl
-from pipelab.threads import intra_op_threads
+from pipelab.common.threads import intra_op_threads
 
 
 def test_timed_runs_use_the_threads_asked_for_and_restore_the_callers():

@@ -1,4 +1,4 @@
-"""`pipelab.trace.Trace`: metrics of hand-built traces, checked against hand-computed values."""
+"""`pipelab.schedules.trace.Trace`: metrics of hand-built traces, checked against hand-computed values."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelab import schedules
-from pipelab.actions import Action
-from pipelab.timing import run_dependencies
-from pipelab.trace import Event, MemorySample, Trace
+from pipelab.schedules.action import Action
+from pipelab.schedules.dependencies import run_dependencies
+from pipelab.schedules.trace import Event, MemorySample, Trace
 
 
 def trace(events, memory=(), n_stages=2, n_microbatches=2, n_devices=None, **kw):

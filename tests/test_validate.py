@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipelab import schedules
-from pipelab.actions import Action, Schedule
-from pipelab.errors import PipelineError, ScheduleError
+from pipelab.schedules import Action, Schedule
+from pipelab.common.errors import PipelineError, ScheduleError
 from pipelab.schedules import validate
 from reference_timing import reference_times
 

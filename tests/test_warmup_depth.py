@@ -3,7 +3,7 @@
 import pytest
 
 import pipelab as pl
-from pipelab.warmup_depth import one_f_one_b_with_warmup
+from pipelab.schedules.warmup_depth import one_f_one_b_with_warmup
 
 GRID = [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 8, 16)]
 

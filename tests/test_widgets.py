@@ -9,8 +9,8 @@ import pytest
 from PIL import Image
 
 import pipelab as pl
-from pipelab.throttle import Throttle
-from pipelab.widgets import ExplorerPanels, _png, explorer, explorer_figures, explorer_view, run_for_real
+from pipelab.show.throttle import Throttle
+from pipelab.show.widgets import ExplorerPanels, _png, explorer, explorer_figures, explorer_view, run_for_real
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

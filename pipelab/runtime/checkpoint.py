@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import PipelineError
+from ..common.errors import PipelineError
 
 # hyper-parameters that name the parameters of a group: they belong to one layout, so they are not saved
 _GROUP_KEYS_NOT_SAVED = ("params", "param_names")

@@ -6,7 +6,7 @@ import time
 
 import torch
 
-from ..actions import Action
+from ..schedules.action import Action
 
 
 class ActionClock:

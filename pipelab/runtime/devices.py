@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import PipelineError
+from ..common.errors import PipelineError
 
 
 def assign_devices(devices, n_stages: int) -> list[torch.device]:

@@ -21,6 +21,7 @@ takes p - 1); on NCCL, one `all_gather`.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -30,23 +31,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import microbatch
-from ..actions import Action, Schedule
-from ..errors import PipelineError
-from ..gc_pause import gc_paused
-from ..memory import activation_samples, checkpoint_plan
-from ..partition import Partition, balanced_bounds, split
+from ..common.errors import PipelineError
+from ..common.gc_pause import gc_paused
+from ..model import microbatch
+from ..model.partition import Partition, balanced_bounds, split
+from ..predict.layout import Layout
+from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules import by_name, validate
-from ..trace import Event, Message, Trace, Wait
-from . import checkpoint
+from ..schedules.action import Action
+from ..schedules.schedule import Schedule
+from ..schedules.trace import Event, Message, Trace, Wait
+from . import checkpoint, comm_count
 from .clock import ActionClock
 from .clock_sync import estimate_offset
+from .hybrid import (
+    HybridMesh,
+    ScatterGatherTransport,
+    all_reduce_gradients,
+    full_gradients,
+    local_shard,
+    parallelize,
+    resolve_layout,
+)
 from .local import StepResult, attach_stashes, check_loss_fn, check_microbatch_count, split_stages
 from .loop import StageWorker, producer, run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .p2p import PointToPointTransport
 
-HYBRID_ARGUMENTS = {"tensor_parallel", "data_parallel", "tensor_parallel_plan", "layout"}
 COLUMNS = ("start", "end", "wait_start", "wait_end", "sent", "saved_bytes", "recomputed_bytes", "loss")
 
 
@@ -78,30 +89,44 @@ class DistributedPipeline:
             `pl.Pipeline`: `optimizer(params)` builds each of this rank's stages its own optimizer.
         fused_accumulation: Linear weight gradients added into `.grad` inside the multiply, as in
             `pl.Pipeline` (default True).
+
+    A hybrid layout on a ("dp", "pp", "tp") DeviceMesh (`runtime/hybrid.py`), with any of:
+        tensor_parallel: t, ranks per tensor-parallel group (consecutive ranks).
+        data_parallel: d, pipeline replicas.  The pipeline depth is world / (d·t).
+        tensor_parallel_plan: fn(block) -> a plan for `parallelize_module` (or None to replicate
+            the block); default: pl.models' plans (`model/tp_plans.py`).
+        layout: a `pl.Layout(dp=, pp=, tp=)` instead of the two numbers.
     """
-
-    def __new__(cls, *args, **kwargs):
-        """With tensor_parallel=, data_parallel=, tensor_parallel_plan= or layout=, the pipeline is a hybrid
-        one on a ("dp", "pp", "tp") DeviceMesh: `runtime/hybrid.py`'s HybridPipeline (same arguments)."""
-        if cls is DistributedPipeline and HYBRID_ARGUMENTS & kwargs.keys():
-            from .hybrid import HybridPipeline
-
-            cls = HybridPipeline
-        return super().__new__(cls)
 
     def __init__(self, model: nn.Module, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, device: Any = None, group=None,
                  checkpoint: str | list[bool] = "never", split_method: str | Partition = "uniform",
                  sample: Any = None, threads: int | None = 1, optimizer: Callable | None = None,
-                 fused_accumulation: bool = True):
+                 fused_accumulation: bool = True, *, tensor_parallel: int = 1, data_parallel: int = 1,
+                 tensor_parallel_plan: Callable | None = None, layout: Layout | None = None):
         if not (dist.is_available() and dist.is_initialized()):
             raise PipelineError("DistributedPipeline runs inside a process group: start it with torchrun "
                                 "(torchrun --nproc-per-node 2 -m pipelab.launch ...) or pl.distributed.launch(fn, 2)")
         # every check below needs no communication, so a bad launch fails the same way on every rank
         check_loss_fn(loss_fn)
         check_microbatch_count(n_microbatches)
+        self.hybrid = None  # the ("dp", "pp", "tp") mesh of a hybrid layout (`runtime/hybrid.py`)
+        if layout is not None or tensor_parallel_plan is not None or (data_parallel, tensor_parallel) != (1, 1):
+            if group is not None:
+                raise PipelineError("a hybrid layout spans the whole world (its mesh); group= is for a plain pipeline")
+            if split_method == "time":
+                raise PipelineError('split_method="time" is not supported with a hybrid layout (each pipeline would '
+                                    'time its own blocks and could cut elsewhere); use "uniform", "params" or a Partition')
+            self.hybrid = HybridMesh.build(resolve_layout(dist.get_world_size(), layout, data_parallel, tensor_parallel),
+                                           dist.get_backend())
+            group = self.hybrid.group("pp")
         self.group = group if group is not None else dist.group.WORLD
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        # where this rank sits: a plain pipeline is the layout (dp, pp, tp) = (1, world, 1), without a mesh
+        self.layout = Layout(pp=self.world_size) if self.hybrid is None else self.hybrid.layout
+        self.mesh = None if self.hybrid is None else self.hybrid.mesh
+        self.dp_index, self.pp_index, self.tp_index = ((0, self.rank, 0) if self.hybrid is None else
+                                                       (self.hybrid.dp_index, self.hybrid.pp_index, self.hybrid.tp_index))
         self.backend = dist.get_backend(self.group)
         self.model, self.loss_fn, self.n_microbatches = model, loss_fn, n_microbatches
         self.schedule = self._resolve_schedule(schedule)
@@ -129,7 +154,17 @@ class DistributedPipeline:
                                        fused_accumulation=fused_accumulation)
                         for s in self.stages}
         self.asynchronous = attach_stashes(self.schedule, self.workers, optimizer)
+        if self.asynchronous and self.hybrid is not None:
+            raise PipelineError("an asynchronous schedule (PipeDream) updates each stage's weights inside its "
+                                "backwards; it does not run with tensor or data parallelism")
         self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
+        self.row_orders: dict[str, torch.Tensor] = {}  # parameter name -> the row order tp_plans gave it
+        if self.layout.tp > 1:
+            self.row_orders = parallelize(self.stages, self.partition, tensor_parallel_plan, self.mesh["tp"])
+            for s in self.stages:  # the worker leaves its parameters' storages out of the activation bytes: the shards
+                self.workers[s].parameters = [local_shard(p) for p in self.partition.stages[s].parameters()]
+            self.transport = ScatterGatherTransport(self.transport, self.hybrid.group("tp"), self.layout.tp,
+                                                    self.tp_index)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
         self.observed_room = 0  # rows for observed memory changes in the step's one exchange (`_gather_step`)
 
@@ -174,8 +209,26 @@ class DistributedPipeline:
         return device
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters (give them to the optimizer)."""
-        return [p for s in self.stages for p in self.workers[s].parameters]
+        """This rank's parameters (give them to the optimizer; DTensors under tensor parallelism)."""
+        return [p for s in self.stages for p in self.partition.stages[s].parameters()]
+
+    def parameter_bytes(self) -> int:
+        """Bytes of the parameters this rank holds (its shards under tensor parallelism)."""
+        return sum(local_shard(p).numel() * p.element_size() for p in self.parameters())
+
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """{parameter name in `model`: its full gradient} for this rank's stage(s), on the CPU; under tensor
+        parallelism gathered over "tp" (a collective: call it on every rank), rows in the model's order."""
+        return full_gradients(self.model, self.row_orders)
+
+    def count_communication(self) -> comm_count.CommunicationCounter:
+        """A counter of this rank's communication: `with pipe.count_communication() as c: pipe.step(x, y)`,
+        then `c.totals()` ({kind: messages, bytes, elements}; `runtime/comm_count.py`)."""
+        groups = [("other", self.group)]
+        if self.hybrid is not None:
+            groups += [("dp", self.hybrid.group("dp")), ("tp", self.hybrid.group("tp"))]
+        ranks = {kind: frozenset(dist.get_process_group_ranks(group)) for kind, group in groups}
+        return comm_count.CommunicationCounter({members: kind for kind, members in ranks.items()})
 
     def save_checkpoint(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Save this rank's stage (and `optimizer`'s state) with torch.distributed.checkpoint; call on every rank.
@@ -194,12 +247,33 @@ class DistributedPipeline:
 
         Gradients of the mean loss over the batch are *added* to this rank's parameters'
         `.grad` (the other blocks' `.grad` stay None).  Returns the same `loss` and the
-        same complete `trace` ("measured", one row per rank) on every rank;
-        `wall_seconds` is this rank's time for the step.
+        same complete `trace` ("measured", one row per rank of the pipeline) on every rank;
+        `wall_seconds` is this rank's time for the step.  With data parallelism, replica r
+        runs its share n_r of the batch, then the gradients are all-reduced over "dp",
+        each weighted n_r / N, and the loss is the global mean (`runtime/hybrid.py`).
         """
         total = microbatch.batch_size(inputs)
         if microbatch.batch_size(targets) != total:
             raise ValueError(f"inputs hold {total} samples but targets hold {microbatch.batch_size(targets)}")
+        d = self.layout.dp
+        if d == 1:
+            return self._pipeline_step(inputs, targets)
+        if total < d * self.n_microbatches:
+            raise ValueError(f"a batch of {total} samples cannot give each of data_parallel={d} replicas "
+                             f"{self.n_microbatches} micro-batches")
+        weight = microbatch.sizes(total, d)[self.dp_index] / total
+        share = self.dp_index
+        result = self._pipeline_step(microbatch.split(inputs, d)[share], microbatch.split(targets, d)[share])
+        dp_group = self.hybrid.group("dp")
+        all_reduce_gradients(self.parameters(), weight, dp_group)
+        loss = torch.tensor([result.loss * weight], dtype=torch.float64, device=self.device)
+        with comm_count.label("other"):
+            dist.all_reduce(loss, group=dp_group)
+        return dataclasses.replace(result, loss=float(loss.item()))
+
+    def _pipeline_step(self, inputs: Any, targets: Any) -> StepResult:
+        """One step of this rank's pipeline on `inputs` (its replica's share under data parallelism)."""
+        total = microbatch.batch_size(inputs)
         input_chunks = microbatch.split(inputs, self.n_microbatches)
         target_chunks = microbatch.split(targets, self.n_microbatches)
         weights = [size / total for size in microbatch.sizes(total, self.n_microbatches)]

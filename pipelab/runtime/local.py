@@ -1,7 +1,7 @@
 """The local engine: run any valid Schedule in one process, on GPUs or on the CPU.
 
 `Pipeline.step(x, y)` splits the batch into micro-batches, then performs the schedule's
-actions in a dependency-respecting order (`pipelab.timing`), through the loop the
+actions in a dependency-respecting order (`pipelab.schedules.dependencies`), through the loop the
 distributed engine runs too (`runtime/loop.py`).  "Sending" an activation or a gradient
 is a copy to the next stage's device (`InProcessTransport`).  Each micro-batch's loss is weighted
 by its share of the batch, n_i / N, so the summed gradients equal those of the mean loss
@@ -15,7 +15,7 @@ device (all on a CPU, or more stages than GPUs) the actions run one after anothe
 timed, and the measured durations are replayed on one virtual clock per stage
 ("replayed"), the step as it would run with one device per stage.
 
-Memory: the trace holds the "counted" curve (the saved-bytes rule of `pipelab.memory`) and
+Memory: the trace holds the "counted" curve (the saved-bytes rule of `pipelab.predict.memory`) and
 the "observed" one (`runtime/memory_observer.py`: when each kept storage was really freed,
 put on the trace's clock), plus on CUDA the allocator's "allocated" and "allocated_peak".
 """
@@ -29,19 +29,20 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .. import microbatch
-from ..actions import Action, Schedule
-from ..errors import PipelineError
-from ..memory import activation_samples, checkpoint_plan
-from ..partition import Partition, split
+from ..common.errors import PipelineError
+from ..common.threads import check_threads, intra_op_threads
+from ..model import microbatch
+from ..model import stage as stage_ops
+from ..model.partition import Partition, split
+from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules import by_name, validate
-from ..timing import run_dependencies
-from ..trace import Event, MemorySample, Trace
-from . import stage as stage_ops
-from ..threads import check_threads, intra_op_threads
+from ..schedules.action import Action
+from ..schedules.dependencies import run_dependencies
+from ..schedules.schedule import Schedule
+from ..schedules.trace import Event, MemorySample, Trace
 from .clock import ActionClock
 from .devices import assign_devices
-from .loop import InProcessTransport, StageWorker, to_device, run_actions
+from .loop import InProcessTransport, StageWorker, run_actions, to_device
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .weight_stash import WeightStash
 
@@ -102,7 +103,7 @@ class Pipeline:
         n_stages, n_microbatches: p and m.
         schedule: "gpipe", "1f1b", "zb-h1" or a `Schedule` for the same p and m (validated).  A schedule
             with W actions splits each backward: B computes the input gradient only, W the weight
-            gradients (`pipelab.split_backward`), and a micro-batch is held until its W.
+            gradients (`pipelab.model.split_backward`), and a micro-batch is held until its W.
         loss_fn: loss(output, target) returning the *mean* over a micro-batch.
         devices: "auto", "cpu", "cuda", a device name, or a list with one device per stage.
         split_method: "uniform", "params", "time" (needs `sample`) or a ready `Partition`.
@@ -117,7 +118,7 @@ class Pipeline:
             update, under the weight-stashing rule of `runtime/weight_stash.py`.
         fused_accumulation: each Linear adds its weight gradient into `.grad` inside its multiply
             instead of computing it and adding it after, one pass over the weights fewer per
-            micro-batch (`runtime/fused_accumulation.py`; default True; not with a split backward
+            micro-batch (`model/fused_accumulation.py`; default True; not with a split backward
             or weight stashing).  False: plain autograd accumulation.
     """
 

@@ -14,7 +14,7 @@ host window of every action: the "observed" memory curve of both engines comes f
 The local engine (`runtime/local.py`) and the distributed engine (`runtime/distributed.py`)
 both call `run_actions`; they differ only in the transport: an in-process copy
 (`InProcessTransport`, below) or `torch.distributed` point-to-point (`runtime/p2p.py`).
-`StageWorker.compute` is the per-stage work of `runtime/stage.py` (forward, backward,
+`StageWorker.compute` is the per-stage work of `model/stage.py` (forward, backward,
 checkpointing, loss weighting n_i / N, saved-bytes counting), the same in both engines.
 
 When the schedule splits the backward (W actions: zero bubble), a stage's B computes only
@@ -36,10 +36,10 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..actions import Action
-from ..errors import PipelineError
-from . import stage as stage_ops
-from .fused_accumulation import FusedAccumulation
+from ..common.errors import PipelineError
+from ..model import stage as stage_ops
+from ..model.fused_accumulation import FusedAccumulation
+from ..schedules.action import Action
 from .memory_observer import MemoryObserver
 from .weight_stash import WeightStash
 
@@ -77,7 +77,7 @@ class StageWorker:
         self.loss_fn, self.checkpoint, self.device, self.rank = loss_fn, checkpoint, device, rank
         self.split_backward = split_backward  # the schedule has W actions: B input gradient only, W the weights
         self.parameters = list(module.parameters())
-        # weight gradients added into .grad inside the multiply (runtime/fused_accumulation.py); not with a split
+        # weight gradients added into .grad inside the multiply (model/fused_accumulation.py); not with a split
         # backward, whose B must leave them to W, nor with a weight stash (`attach_stashes` removes it)
         self.fusion = (FusedAccumulation(module, self.parameters) if fused_accumulation and not split_backward
                        else None)

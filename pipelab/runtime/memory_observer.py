@@ -1,6 +1,6 @@
 """Observed activation memory: when each storage a stage keeps is really allocated and freed.
 
-The "counted" curve (`pipelab.memory.activation_samples`) applies a rule: a micro-batch's
+The "counted" curve (`pipelab.predict.memory.activation_samples`) applies a rule: a micro-batch's
 saved bytes appear when its F ends and go when its B ends.  This module measures instead,
 without that rule.  A stage *keeps* a storage when
 
@@ -60,9 +60,9 @@ from typing import Any
 
 import torch
 
-from ..actions import Action
-from ..trace import MemorySample
-from .stage import _plain_tensors
+from ..model.stage import _plain_tensors
+from ..schedules.action import Action
+from ..schedules.trace import MemorySample
 
 REASONS = ("saved", "input", "output", "gradient", "received")
 """Why a stage keeps a storage, strongest first: saved by autograd for backward; the stage's input

@@ -41,8 +41,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..actions import Action, Schedule
-from ..errors import LostRankError, PipelineError
+from ..common.errors import LostRankError, PipelineError
+from ..schedules.action import Action
+from ..schedules.schedule import Schedule
 from . import comm_count
 from .loop import consumer_stage, producer
 

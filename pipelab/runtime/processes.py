@@ -36,7 +36,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from ..errors import LostRankError
+from ..common.errors import LostRankError
 
 
 class DistributedError(RuntimeError):

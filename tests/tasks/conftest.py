@@ -29,7 +29,7 @@ the docstring ("returns a list of int (got float)"); ``pipelab grade`` shows tha
 the property that failed, with hypothesis' failing example.
 
 **The record** is active only when the environment variable PIPELAB_GRADE_RECORD names a
-file, which ``pipelab.grade.run_task_tests`` sets for the pytest subprocess it starts.
+file, which ``pipelab.course.grade.run_task_tests`` sets for the pytest subprocess it starts.
 One JSON object per line:
 
     {"event": "collected", "tests": {nodeid: "1.1", ...}}     after collection

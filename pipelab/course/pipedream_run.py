@@ -1,0 +1,49 @@
+"""Train with asynchronous PipeDream (`pl.schedules.pipedream_async`) in one process, stashing weights.
+
+`train_async(model, n_stages, inputs, targets, loss_fn, make_optimizer)` runs one training
+run: micro-batch i is PipeDream's minibatch i (its own mean loss, its own update), the
+actions run in the order a unit-time run of the schedule starts them, and each stage
+follows the rule of `pl.pipedream` exactly:
+
+- F(s, i) runs with stage s's live weights and stashes that version (a copy, made once per
+  version and shared by the micro-batches that use it);
+- B(s, i) differentiates the graph F(s, i) built, so with the stashed weights;
+- after every `update_every`-th B, stage s's own optimizer steps its live weights with the
+  gradients of those backwards (summed).
+
+It is one step of the local engine, `pl.Pipeline(model, p, m, pipedream_async(p, m, k),
+loss_fn, optimizer=make_optimizer)`, whose workers keep the versions
+(`runtime/weight_stash.py`): the minibatches are joined into one batch that the engine cuts
+back into the same m micro-batches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..model import microbatch
+from ..runtime.local import Pipeline
+from ..schedules import pipedream_async
+
+
+def train_async(model: torch.nn.Module, n_stages: int, inputs: list[Any], targets: list[Any], loss_fn: Callable,
+                make_optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer],
+                update_every: int = 1) -> list[float]:
+    """Run len(inputs) minibatches through asynchronous PipeDream; return each one's loss.
+
+    `model`'s parameters are trained in place; `make_optimizer(params)` builds one
+    optimizer per stage (PipeDream's stages update independently).  Every minibatch must
+    hold the same number of samples (the engine splits the joined batch evenly).
+    """
+    if len(inputs) != len(targets) or not inputs:
+        raise ValueError(f"give as many input as target minibatches, and at least one; got {len(inputs)} and "
+                         f"{len(targets)}")
+    sizes = [microbatch.batch_size(x) for x in inputs]
+    if len(set(sizes)) > 1:
+        raise ValueError(f"every minibatch must hold the same number of samples, got sizes {sizes}")
+    m = len(inputs)
+    pipe = Pipeline(model, n_stages, m, pipedream_async(n_stages, m, update_every), loss_fn, devices="cpu",
+                    threads=None, optimizer=make_optimizer)
+    return pipe.step(microbatch.merge(inputs), microbatch.merge(targets)).microbatch_losses

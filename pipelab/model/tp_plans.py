@@ -1,0 +1,125 @@
+"""Tensor-parallel plans for one stage's blocks, applied with PyTorch's `parallelize_module`.
+
+A plan is what `torch.distributed.tensor.parallel.parallelize_module(block, tp_mesh, plan)`
+takes: a `ParallelStyle`, or a dict {submodule name: style}; None leaves the block
+replicated (every rank of the tensor-parallel group computes it whole).
+
+Megatron-LM's split (Shoeybi et al. 2019, §3): a column-parallel Linear (each rank holds
+out_features / t rows of W and outputs its slice) followed by a row-parallel Linear (each
+rank holds in_features / t columns and outputs a partial sum), so the pair needs one
+all-reduce forward (after the row-parallel layer) and one backward (of the column-parallel
+layer's input gradient).  A transformer layer has two such pairs (attention: qkv then the
+output projection; MLP: fc1 then fc2): 2 all-reduces forward, 2 backward.
+
+pl.models' blocks come with their plans (`default_plans`):
+
+- `TransformerBlock`: qkv column-parallel with whole heads per rank, proj row-parallel,
+  mlp.0 column-parallel, mlp.2 row-parallel.  `parallelize_module` shards qkv's rows into
+  contiguous slices, but qkv fuses [q | k | v]: a contiguous slice is not "this rank's
+  heads of q, k and v".  pipelab therefore reorders qkv's rows first (`head_grouped_rows`,
+  written by hand because the API has no style for a fused projection);
+  `TransformerBlock.forward` counts its heads from qkv's output, so it runs the H/t heads a
+  rank holds unchanged, and the row-parallel proj adds the ranks' partial outputs.
+  `DistributedPipeline.gradients()` puts the rows back in the model's order.
+- `mlp`'s blocks are Linear + GELU, one Linear each, so a Megatron pair is two consecutive
+  blocks: pipelab pairs the blocks *inside each stage* (first column-parallel, second
+  row-parallel), so that what crosses a stage boundary is always replicated; an odd block
+  left at the end of a stage stays replicated.
+- `Embedding` and `LMHead` stay replicated (Megatron splits the vocabulary; pipelab does not).
+
+A user's model passes `tensor_parallel_plan=fn`, `fn(block)` returning a plan (or None).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..common.errors import PipelineError
+from .models import TransformerBlock
+
+
+def _styles():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return ColwiseParallel, RowwiseParallel
+
+
+def transformer_block_plan() -> dict:
+    """Megatron's split of a transformer layer: heads across ranks, then the MLP's hidden units."""
+    colwise, rowwise = _styles()
+    return {"qkv": colwise(), "proj": rowwise(), "mlp.0": colwise(), "mlp.2": rowwise()}
+
+
+def _is_linear_block(block: nn.Module) -> bool:
+    """`pl.models.mlp`'s blocks: a Linear, or Sequential(Linear, elementwise activation)."""
+    if isinstance(block, nn.Linear):
+        return True
+    return (isinstance(block, nn.Sequential) and len(block) >= 1 and isinstance(block[0], nn.Linear)
+            and not any(isinstance(m, nn.Linear) for m in list(block)[1:]))
+
+
+def _linear_plan(block: nn.Module, style) -> Any:
+    return style if isinstance(block, nn.Linear) else {"0": style}
+
+
+def default_plans(blocks: list[nn.Module]) -> list[Any]:
+    """The plans of one stage's blocks (in order), for pl.models' blocks; other blocks stay replicated."""
+    colwise, rowwise = _styles()
+    plans: list[Any] = [None] * len(blocks)
+    k = 0
+    while k < len(blocks):
+        block = blocks[k]
+        if isinstance(block, TransformerBlock):
+            plans[k] = transformer_block_plan()
+        elif _is_linear_block(block) and k + 1 < len(blocks) and _is_linear_block(blocks[k + 1]):
+            plans[k], plans[k + 1] = _linear_plan(block, colwise()), _linear_plan(blocks[k + 1], rowwise())
+            k += 1
+        k += 1
+    return plans
+
+
+def plans_for_stage(blocks: list[nn.Module], plan_fn: Callable | None) -> list[Any]:
+    """`plan_fn(block)` for each block, or pl.models' plans when `plan_fn` is None."""
+    if plan_fn is None:
+        return default_plans(blocks)
+    if not callable(plan_fn):
+        raise TypeError(f"tensor_parallel_plan must be a function of a block returning its plan (or None), "
+                        f"got {type(plan_fn).__name__}")
+    return [plan_fn(block) for block in blocks]
+
+
+def head_grouped_rows(d_model: int, tp: int) -> torch.Tensor:
+    """The order of qkv's rows that gives tensor-parallel rank r, in one contiguous slice, the rows of
+    q, k and v for its heads r·H/t .. (r+1)·H/t − 1:  [q_0 k_0 v_0 | q_1 k_1 v_1 | ...]."""
+    width = d_model // tp  # rows of q (or k, or v) per rank: H/t heads of d_model/H rows
+    return torch.cat([c * d_model + torch.arange(r * width, (r + 1) * width) for r in range(tp) for c in range(3)])
+
+
+def apply(block: nn.Module, plan: Any, tp_mesh, where: str) -> dict[str, torch.Tensor]:
+    """Parallelize `block` in place on `tp_mesh`; return {parameter name in the block: row order} for
+    the parameters whose rows were reordered (so that full gradients can be put back in order)."""
+    if plan is None:
+        return {}
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = tp_mesh.size()
+    orders: dict[str, torch.Tensor] = {}
+    if isinstance(block, TransformerBlock) and isinstance(plan, dict) and "qkv" in plan:
+        d_model = block.proj.in_features
+        if block.n_heads % tp:
+            raise PipelineError(f"{where}: tensor_parallel={tp} must divide the block's {block.n_heads} attention "
+                                "heads (each rank takes whole heads)")
+        order = head_grouped_rows(d_model, tp)
+        with torch.no_grad():
+            block.qkv.weight.copy_(block.qkv.weight[order])
+            block.qkv.bias.copy_(block.qkv.bias[order])
+        orders = {"qkv.weight": order, "qkv.bias": order}
+    try:
+        parallelize_module(block, tp_mesh, plan)
+    except Exception as error:
+        raise PipelineError(f"{where}: parallelize_module failed with its plan {plan!r}: "
+                            f"{type(error).__name__}: {error}") from error
+    return orders

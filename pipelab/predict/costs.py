@@ -1,0 +1,138 @@
+"""`Costs`: the cost model the simulator runs a schedule on.
+
+Per stage s (a number applies to every stage, a list gives one value per stage):
+
+- `forward[s]`, `backward[s]`, `weight[s]`: seconds for one micro-batch's F, B and W
+  (W only for schedules that split the backward into B and W);
+- `activation_bytes[s]`: bytes stage s sends to stage s+1 per micro-batch (its output);
+  the gradient sent back has the same size;
+- `memory_bytes[s]`: activation bytes stage s keeps per micro-batch from F to B;
+- `input_bytes[s]`: bytes of stage s's input per micro-batch, all a checkpointed stage keeps;
+- `latency` (seconds) and `bandwidth` (bytes/second) of every link.
+
+A message between stages s and s+1 takes  latency + activation_bytes[s] / bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ..common.checks import check_repeats
+from ..common.threads import intra_op_threads
+from ..model import stage as stage_ops
+from ..model.fused_accumulation import FusedAccumulation
+
+PerStage = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    forward: PerStage = 1.0
+    backward: PerStage = 2.0
+    weight: PerStage = 0.0
+    latency: float = 0.0
+    bandwidth: float = math.inf
+    activation_bytes: PerStage = 0.0
+    memory_bytes: PerStage = 0.0
+    input_bytes: PerStage = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("forward", "backward", "weight", "activation_bytes", "memory_bytes", "input_bytes"):
+            values = getattr(self, name)
+            values = list(values) if isinstance(values, (list, tuple)) else [values]
+            if not values or any(not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0
+                                 for v in values):
+                raise ValueError(f"Costs.{name} must be a non-negative number or a list of them, got {getattr(self, name)!r}")
+        if not (isinstance(self.latency, (int, float)) and self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"Costs.latency must be a non-negative number of seconds, got {self.latency!r}")
+        if not (isinstance(self.bandwidth, (int, float)) and self.bandwidth > 0):
+            raise ValueError(f"Costs.bandwidth must be positive (bytes per second), got {self.bandwidth!r}")
+
+    def per_stage(self, name: str, stage: int, n_stages: int) -> float:
+        """The value of `name` for `stage` (checks that a list has one value per stage)."""
+        values = getattr(self, name)
+        if isinstance(values, (list, tuple)):
+            if len(values) != n_stages:
+                raise ValueError(f"Costs.{name} lists {len(values)} values for {n_stages} stages; give one per stage")
+            return float(values[stage])
+        return float(values)
+
+    def message_seconds(self, stage: int, n_stages: int) -> float:
+        """Time to send stage `stage`'s output (or the gradient of it) across one link."""
+        return self.latency + self.per_stage("activation_bytes", stage, n_stages) / self.bandwidth
+
+    @classmethod
+    def from_profile(cls, model, parts, sample_batch: tuple[Any, Any], loss_fn: Callable,
+                     repeats: int = 5, latency: float = 0.0, bandwidth: float = math.inf,
+                     threads: int | None = 1, fused_accumulation: bool = True) -> "Costs":
+        """Measure forward/backward seconds, bytes sent and kept, per stage.
+
+        `parts` is a `pl.split` result of `model`; `sample_batch` = (inputs, targets) of ONE
+        micro-batch.  Uses the engine's own stage forward/backward, so what is measured is
+        what the engine runs.  The model's `.grad` is restored afterwards.  The ops run on
+        `threads` intra-op threads (default 1, like the engine's step; None: the caller's setting),
+        with the weight gradients accumulated as the engines do by default (`fused_accumulation`,
+        `model/fused_accumulation.py`; False for a pipeline built with it off).
+
+        Each stage's forward and backward seconds are the best (minimum) of `repeats` runs:
+        other work on the machine, a cold cache or a page fault only ever add time, so the
+        fastest run is the closest to what the ops cost.
+        """
+        check_repeats(repeats)
+        with intra_op_threads(threads):
+            return cls._profile(model, parts, sample_batch, loss_fn, repeats, latency, bandwidth, fused_accumulation)
+
+    @classmethod
+    def _profile(cls, model, parts, sample_batch, loss_fn, repeats, latency, bandwidth, fused) -> "Costs":
+        inputs, targets = sample_batch
+        saved_grads = [p.grad for p in model.parameters()]
+        for p in model.parameters():  # profile into fresh .grad tensors, then put the caller's back
+            p.grad = None
+        n = len(parts.stages)
+        forward = [[] for _ in range(n)]
+        backward = [[] for _ in range(n)]
+        sent, kept, received = [0.0] * n, [0.0] * n, [0.0] * n
+        fusions = [FusedAccumulation(stage, list(stage.parameters())) if fused else None for stage in parts.stages]
+        for _ in range(repeats):
+            activation, flights = inputs, []
+            for s, stage in enumerate(parts.stages):
+                device = next(stage.parameters(), torch.empty(0)).device
+                begin = _now(device)
+                flight = stage_ops.forward(stage, _move(activation, device), list(stage.parameters()), s == 0,
+                                           loss_fn if s == n - 1 else None,
+                                           _move(targets, device) if s == n - 1 else None, fused=fusions[s])
+                forward[s].append(_now(device) - begin)
+                flights.append(flight)
+                if isinstance(flight.input, torch.Tensor):
+                    received[s] = flight.input.untyped_storage().nbytes()
+                kept[s] = flight.saved_bytes
+                if s < n - 1:
+                    activation = flight.sent
+                    sent[s] = activation.numel() * activation.element_size()
+            gradient = None
+            for s in range(n - 1, -1, -1):
+                device = flights[s].output.device
+                begin = _now(device)
+                gradient = stage_ops.backward(flights[s], None if gradient is None else gradient.to(device))
+                backward[s].append(_now(device) - begin)
+        for p, g in zip(model.parameters(), saved_grads):
+            p.grad = g
+        return cls(forward=[min(t) for t in forward], backward=[min(t) for t in backward],
+                   latency=latency, bandwidth=bandwidth, activation_bytes=sent, memory_bytes=kept,
+                   input_bytes=received)
+
+
+def _now(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _move(batch: Any, device: torch.device) -> Any:
+    """A copy on `device`, owning its storage (so its bytes are counted as one micro-batch's)."""
+    return batch.to(device, copy=True) if isinstance(batch, torch.Tensor) else batch

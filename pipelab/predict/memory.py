@@ -1,0 +1,57 @@
+"""Activation memory over a step, from the events and the bytes each micro-batch holds; checkpointing plans.
+
+The "counted" rule.  The engines (bytes counted by autograd's saved-tensor hooks) and the
+simulator (bytes from the cost model) build their "counted" curve the same way:
+
+- F(s, i) ends:   + held(s, i)       (what stage s keeps for micro-batch i until its backward)
+- B(s, i) starts: + transient(s, i)  (a checkpointed stage recomputing its forward)
+- the last backward action of (s, i) ends (B, or W when the backward is split):
+                  - held(s, i) - transient(s, i)
+
+It is a rule, not a measurement: a prediction from `Costs.from_profile` (the same counts)
+equals the engine's counted curve by construction.  The engines' "observed" curve
+(`pipelab/runtime/memory_observer.py`) measures instead when each storage a stage keeps is
+really freed, and includes what the rule leaves out (inputs received before their F,
+outputs until sent, gradients until used).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..schedules.trace import Event, MemorySample
+
+Bytes = Callable[[int, int], float]  # (stage, microbatch) -> bytes
+
+
+def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int) -> list[MemorySample]:
+    """"counted" memory samples (one per change, plus a zero at t=0 per device) following the rule above."""
+    releases = "W" if any(e.kind == "W" for e in events) else "B"
+    changes = []  # (time, 0 for a release so it sorts first at equal times, device, delta)
+    for e in events:
+        stage, mb = e.stage, e.microbatch
+        if e.kind == "F":
+            changes.append((e.end, 1, e.device, held(stage, mb)))
+        if e.kind == "B" and transient(stage, mb):
+            changes.append((e.start, 1, e.device, transient(stage, mb)))
+        if e.kind == releases:
+            changes.append((e.end, 0, e.device, -held(stage, mb) - transient(stage, mb)))
+    level = [0.0] * n_devices
+    samples = [MemorySample(d, 0.0, 0, "counted") for d in range(n_devices)]
+    for time, _, device, delta in sorted(changes):
+        level[device] += delta
+        samples.append(MemorySample(device, time, round(level[device]), "counted"))
+    return samples
+
+
+def checkpoint_plan(checkpoint, n_stages: int) -> list[bool]:
+    """Resolve the `checkpoint` option to one boolean per stage."""
+    if isinstance(checkpoint, str):
+        plans = {"never": [False] * n_stages, "always": [True] * n_stages,
+                 "except_last": [True] * (n_stages - 1) + [False]}
+        if checkpoint not in plans:
+            raise ValueError(f"checkpoint must be one of {sorted(plans)} or a list of booleans, got {checkpoint!r}")
+        return plans[checkpoint]
+    if isinstance(checkpoint, (list, tuple)) and len(checkpoint) == n_stages and all(isinstance(c, bool) for c in checkpoint):
+        return list(checkpoint)
+    raise ValueError(f"checkpoint as a list needs one boolean per stage ({n_stages}), got {checkpoint!r}")

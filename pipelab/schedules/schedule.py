@@ -1,0 +1,217 @@
+"""`Schedule`: what each device does, in order, in one training step — a table of `Action`s.
+
+`Schedule.actions[d]` is the ordered list of actions device `d` performs.  This module also
+holds what makes a table well formed (`check_structure`: every action once, in range, each
+stage on one device) and its drawing (`to_text`: every action one time step long, run by
+the dependency loop); `validate` adds that the dependencies can all be met.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from itertools import chain
+from operator import itemgetter
+
+from ..common.checks import check_counts
+from ..common.errors import ScheduleError
+from .action import KINDS, Action
+from .dependencies import run_dependencies
+
+
+@dataclass
+class Schedule:
+    """What each device does, in order, in one training step.
+
+    `actions[d]` lists device d's actions.  For the schedules of the foundation each
+    stage has its own device (`actions[s]` holds stage s's actions); the format also
+    allows several stages on one device.
+    """
+
+    n_stages: int
+    n_microbatches: int
+    actions: list[list[Action]]
+    name: str = "custom"
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def n_devices(self) -> int:
+        return len(self.actions)
+
+    def all_actions(self) -> list[Action]:
+        return [a for row in self.actions for a in row]
+
+    def device_of_stage(self) -> dict[int, int]:
+        """Map each stage to the device that runs it (from where its actions are)."""
+        found: dict[int, int] = {}
+        for device, row in enumerate(self.actions):
+            for stage in set(map(itemgetter(1), row)):  # itemgetter(1) of an Action is its stage
+                found.setdefault(stage, device)
+        return found
+
+    def to_text(self) -> str:
+        """The schedule as a grid: one row per device, one column per time step.
+
+        Every action takes one time step and starts as soon as its inputs are ready; a
+        ``.`` is a step in which that device idles (the bubble).  A cell names the stage
+        only when it is not the row's own (``F3`` on row 2 means ``2F3``).
+        """
+        return _unit_time_grid(self)
+
+    def grid(self) -> list[list[str]]:
+        """The cells of `to_text()`: ``grid()[d][t]`` is device d's cell in time step t (``"."`` = idle)."""
+        return [line.split("|", 1)[1].split() for line in self.to_text().splitlines()]
+
+    def message_count(self) -> int:
+        """Messages one step sends between devices: each F of a stage > 0 receives its activation, each B
+        of a stage < p-1 its gradient, when the neighbouring stage is on another device; 2·m·(p-1)
+        for one stage per device, whatever the order of the actions."""
+        device = self.device_of_stage()
+        count = 0
+        for action in self.all_actions():
+            neighbour = action.stage - 1 if action.kind == "F" else action.stage + 1 if action.kind == "B" else None
+            if neighbour is not None and neighbour in device and device[neighbour] != device[action.stage]:
+                count += 1
+        return count
+
+    @classmethod
+    def from_text(cls, text: str, name: str = "custom") -> "Schedule":
+        """Parse `to_text()` (or a hand-written grid) back into a Schedule.
+
+        Each non-empty line is one device, ``device 0 | F0 F1 . B0``; the part before
+        ``|`` is ignored, ``.`` cells are idle steps and are skipped.
+        """
+        rows = []
+        for line in text.strip("\n").splitlines():
+            if not line.strip():
+                continue
+            cells = line.split("|", 1)[-1].split()
+            device = len(rows)
+            rows.append([Action.from_str(c, stage=device) for c in cells if c != "."])
+        if not rows:
+            raise ScheduleError("the text holds no rows: write one line per device, like 'device 0 | F0 B0'")
+        all_actions = [a for row in rows for a in row]
+        n_stages = max((a.stage for a in all_actions), default=-1) + 1
+        n_microbatches = max((a.microbatch for a in all_actions), default=-1) + 1
+        return cls(max(n_stages, len(rows)), n_microbatches, rows, name=name)
+
+
+def check_structure(schedule: Schedule) -> None:
+    """Everything `validate` checks except the dependencies (which need a run of `run_dependencies`)."""
+    if not isinstance(schedule, Schedule):
+        raise TypeError(f"validate expects a pipelab Schedule, got {type(schedule).__name__}")
+    check_counts(n_stages=schedule.n_stages, n_microbatches=schedule.n_microbatches)
+    if schedule.n_devices < 1:
+        raise ScheduleError("the schedule has no devices: actions must be a list with one list per device")
+    if not _looks_valid(schedule):  # fast path for the common case; the checks below name the problem
+        _check_entries(schedule)
+        _check_stage_placement(schedule)
+        _check_complete(schedule)
+
+
+def _looks_valid(schedule: Schedule) -> bool:
+    """True when the structure is certainly right, checked with set operations (no messages)."""
+    rows = schedule.actions
+    if not all(isinstance(row, (list, tuple)) for row in rows):
+        return False
+    flat = list(chain.from_iterable(rows))
+    if not flat or set(map(type, flat)) != {Action}:
+        return False
+    kinds = set(map(itemgetter(0), flat))
+    if not kinds <= set(KINDS) or not kinds >= {"F", "B"}:
+        return False
+    stages_per_row = [set(map(itemgetter(1), row)) for row in rows]
+    stages = set().union(*stages_per_row)
+    if sum(map(len, stages_per_row)) != len(stages):
+        return False  # a stage on two devices
+    microbatches = set(map(itemgetter(2), flat))
+    if {type(n) for n in stages | microbatches} != {int}:
+        return False
+    if not stages <= set(range(schedule.n_stages)) or not microbatches <= set(range(schedule.n_microbatches)):
+        return False
+    # every entry in range and none repeated: complete exactly when the count is right
+    return len(set(flat)) == len(flat) == schedule.n_stages * schedule.n_microbatches * len(kinds)
+
+
+def _check_entries(schedule: Schedule) -> None:
+    seen: dict[Action, tuple[int, int]] = {}
+    for device, row in enumerate(schedule.actions):
+        if not isinstance(row, (list, tuple)):
+            raise ScheduleError(f"device {device}'s actions must be a list, got {type(row).__name__}")
+        for position, action in enumerate(row):
+            where = f"device {device}, position {position}"
+            if not isinstance(action, Action):
+                raise ScheduleError(f"{where}: {action!r} is not an Action (build one with Action('F', stage, mb))")
+            if action.kind not in KINDS:
+                raise ScheduleError(f"{where}: unknown kind {action.kind!r}; kinds are F, B and W")
+            if type(action.stage) is not int or type(action.microbatch) is not int:
+                raise ScheduleError(f"{where}: {action!r} must name its stage and micro-batch with integers, "
+                                    f"got {action.stage!r} and {action.microbatch!r}")
+            if not 0 <= action.stage < schedule.n_stages:
+                raise ScheduleError(
+                    f"{where}: {action} names stage {action.stage}, but the schedule has "
+                    f"{schedule.n_stages} stages (0..{schedule.n_stages - 1})"
+                )
+            if not 0 <= action.microbatch < schedule.n_microbatches:
+                raise ScheduleError(
+                    f"{where}: {action} names micro-batch {action.microbatch}, but the schedule has "
+                    f"{schedule.n_microbatches} micro-batches (0..{schedule.n_microbatches - 1})"
+                )
+            if action in seen:
+                first = seen[action]
+                raise ScheduleError(
+                    f"{action} ({action.describe()}) appears twice: device {first[0]} position {first[1]} "
+                    f"and {where}; each action runs exactly once"
+                )
+            seen[action] = (device, position)
+
+
+def _check_stage_placement(schedule: Schedule) -> None:
+    devices_of: dict[int, set[int]] = {}
+    for device, row in enumerate(schedule.actions):
+        for action in row:
+            devices_of.setdefault(action.stage, set()).add(device)
+    for stage, devices in sorted(devices_of.items()):
+        if len(devices) > 1:
+            raise ScheduleError(
+                f"stage {stage}'s actions are on devices {sorted(devices)}; a stage's weights live on one "
+                "device, so all its actions must be in that device's list"
+            )
+
+
+def _check_complete(schedule: Schedule) -> None:
+    present = set(schedule.all_actions())
+    kinds = ("F", "B", "W") if any(a.kind == "W" for a in present) else ("F", "B")
+    for stage in range(schedule.n_stages):
+        for mb in range(schedule.n_microbatches):
+            for kind in kinds:
+                if (kind, stage, mb) not in present:
+                    action = Action(kind, stage, mb)
+                    why = (
+                        "the schedule has W actions, so every B needs its W"
+                        if kind == "W"
+                        else "every micro-batch needs a forward and a backward on every stage"
+                    )
+                    raise ScheduleError(f"missing action {action} ({action.describe()}): {why}")
+
+
+def _unit_time_grid(schedule: Schedule) -> str:
+    """Draw `schedule` with every action one time step long (see `Schedule.to_text`)."""
+    check_structure(schedule)  # names a missing, repeated or out-of-range action
+    timing = run_dependencies(schedule, duration=lambda a: 1.0)
+    if timing.stuck:
+        stuck = ", ".join(f"device {d} at {a} (waits for {n})" for d, (a, n) in sorted(timing.stuck.items()))
+        raise ScheduleError(f"cannot draw a schedule that deadlocks: {stuck}; run pl.schedules.validate for details")
+    steps = int(round(timing.makespan))
+    grid = [["."] * steps for _ in range(schedule.n_devices)]
+    for device, row in enumerate(schedule.actions):
+        for action in row:
+            if action in timing.start:
+                label = str(action) if action.stage != device else f"{action.kind}{action.microbatch}"
+                grid[device][int(round(timing.start[action]))] = label
+    width = max((len(cell) for line in grid for cell in line), default=1)
+    label_width = len(str(schedule.n_devices - 1))
+    lines = []
+    for device, cells in enumerate(grid):
+        body = " ".join(cell.ljust(width) for cell in cells).rstrip()
+        lines.append(f"device {device:>{label_width}} | {body}".rstrip())
+    return "\n".join(lines)

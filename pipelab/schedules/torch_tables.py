@@ -1,0 +1,142 @@
+"""PyTorch's own schedule tables (`torch.distributed.pipelining`) as pipelab Schedules.
+
+Every PyTorch schedule class computes, in its constructor, `pipeline_order`: {rank: [an
+`_Action` or None per time step]}.  `torch_table` builds that table without a process
+group (the constructors only read a few attributes of their stages; PyTorch's own tests
+pass mock stages too), and `from_torch` turns it into a pipelab Schedule, which
+`validate`, `simulate`, `to_text` and the engines take like any other:
+
+    order = pl.schedules.torch_table("InterleavedZeroBubble", n_devices=4, n_microbatches=8, n_chunks=2)
+    sched = pl.schedules.from_torch(order, n_microbatches=8)
+    pl.schedules.validate(sched)
+
+Translation of PyTorch's computation types: F -> F; I (backward of the input only) -> B;
+W (backward of the weights) -> W; B (a full backward) -> B, or B followed at once by W
+when the same table also splits backwards (pipelab's tables either split every backward
+or none); OVERLAP_F_B -> its sub-actions in order.  Communication and bookkeeping
+actions (SEND_F, RECV_B, UNSHARD, RESHARD, REDUCE_GRAD, ...) and the None idle slots are
+dropped: pipelab derives messages from the dependencies, and idle time from running them.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Mapping
+
+from ..common.checks import check_counts
+from ..common.errors import ScheduleError
+from .action import Action
+from .schedule import Schedule
+
+TORCH_NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+               "DualPipeV")
+"""The schedule classes `torch_table` builds (torch.distributed.pipelining.schedules.get_schedule_class)."""
+
+_V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p - 1 - r
+_KIND = {"F": "F", "I": "B", "W": "W", "B": "B"}
+
+
+class _MockStage:
+    """What a PyTorch schedule constructor reads from its stages, and nothing else (no model, no group)."""
+
+    def __init__(self, stage_index: int, n_stages: int, n_devices: int, rank: int):
+        self.stage_index, self.num_stages = stage_index, n_stages
+        self.group_size, self.group_rank = n_devices, rank
+        self.is_first, self.is_last = stage_index == 0, stage_index == n_stages - 1
+        self.submod = None
+        self.stage_index_to_group_rank: dict[int, int] = {}
+
+
+def torch_table(name: str, n_devices: int, n_microbatches: int, n_chunks: int | None = None) -> dict[int, list]:
+    """PyTorch's `pipeline_order` for its schedule `name` ("GPipe", "1F1B", "Interleaved1F1B", ...).
+
+    `n_chunks` (stages per rank) is 1 for GPipe and 1F1B, 2 for ZBVZeroBubble and
+    DualPipeV, and defaults to 2 for the other multi-stage schedules.  The table is
+    PyTorch's, unchanged: it may be wrong (see `from_torch` and `validate`).
+    """
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    check_counts(n_devices=n_devices, n_microbatches=n_microbatches)
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a PyTorch schedule name like '1F1B', got {type(name).__name__}")
+    try:
+        cls = torch_schedules.get_schedule_class(name)
+    except ValueError as error:
+        raise ValueError(f"unknown PyTorch schedule {name!r}; pipelab builds {list(TORCH_NAMES)}") from error
+    canonical = next((n for n in TORCH_NAMES if n.lower() == name.lower()), None)
+    if canonical is None:
+        raise ValueError(f"pipelab does not build PyTorch's {name!r} table; it builds {list(TORCH_NAMES)}")
+    single = issubclass(cls, torch_schedules.PipelineScheduleSingle)
+    default = 1 if single else 2
+    chunks = default if n_chunks is None else n_chunks
+    check_counts(n_chunks=chunks)
+    if single and chunks != 1:
+        raise ValueError(f"PyTorch's {canonical} runs one stage per rank; n_chunks must be 1, got {chunks}")
+    if canonical in _V_SHAPED and chunks != 2:
+        raise ValueError(f"PyTorch's {canonical} runs exactly two stages per rank; n_chunks must be 2, got {chunks}")
+    n_stages = n_devices * chunks
+    quiet = logging.getLogger("torch.distributed.pipelining.schedules")
+    level, quiet.level = quiet.level, logging.ERROR
+    try:
+        if single:
+            schedule = cls(_MockStage(0, n_stages, n_devices, 0), n_microbatches)
+        else:
+            indices = [0, n_stages - 1] if canonical in _V_SHAPED else [k * n_devices for k in range(chunks)]
+            schedule = cls([_MockStage(i, n_stages, n_devices, 0) for i in indices], n_microbatches)
+    except (ValueError, RuntimeError) as error:
+        raise ValueError(f"PyTorch's {canonical} refused p={n_devices}, m={n_microbatches}, "
+                         f"n_chunks={chunks}: {error}") from error
+    finally:
+        quiet.level = level
+    return {rank: list(row) for rank, row in schedule.pipeline_order.items()}
+
+
+def from_torch(pipeline_order: Mapping[int, list], n_microbatches: int, name: str = "torch") -> Schedule:
+    """The pipelab Schedule of a PyTorch `pipeline_order` ({rank: [_Action, "2F0" or None, ...]}).
+
+    Translation in the module docstring.  The result is not validated: call
+    `pl.schedules.validate` on it, which names the first wrong entry (PyTorch 2.13's
+    Schedule1F1B table, for one, gives its last rank F1 .. Fm instead of F0 .. Fm-1).
+    """
+    from torch.distributed.pipelining.schedules import _Action
+
+    check_counts(n_microbatches=n_microbatches)
+    if not isinstance(pipeline_order, Mapping) or not pipeline_order:
+        raise TypeError("pipeline_order must be a non-empty dict {rank: [actions]}, as PyTorch's schedules hold it")
+    ranks = sorted(pipeline_order)
+    if ranks != list(range(len(ranks))):
+        raise ScheduleError(f"pipeline_order's ranks must be 0..{len(ranks) - 1}, got {ranks}")
+    rows: list[list[tuple[str, int, int, str]]] = []  # (kind, stage, micro-batch, PyTorch's kind)
+    for rank in ranks:
+        row = []
+        for position, entry in enumerate(pipeline_order[rank]):
+            if isinstance(entry, str):
+                entry = _Action.from_str(entry)
+            if entry is None:
+                continue
+            for part in entry.sub_actions or (entry,):
+                kind = _KIND.get(part.computation_type.value)
+                if kind is None:  # communication or bookkeeping
+                    continue
+                if part.microbatch_index is None:
+                    raise ScheduleError(f"rank {rank}, position {position}: {part} names no micro-batch")
+                row.append((kind, part.stage_index, part.microbatch_index, part.computation_type.value))
+        rows.append(row)
+    splits = any(full == "W" for row in rows for *_, full in row)
+    actions = []
+    for row in rows:
+        out = []
+        for kind, stage, mb, full in row:
+            out.append(Action(kind, stage, mb))
+            if splits and full == "B":  # a full backward in a split table: its two halves, back to back
+                out.append(Action("W", stage, mb))
+        actions.append(out)
+    n_stages = 1 + max((a.stage for row in actions for a in row), default=0)
+    return Schedule(n_stages, n_microbatches, actions, name=name)
+
+
+def torch_schedule(name: str, n_devices: int, n_microbatches: int, n_chunks: int | None = None) -> Schedule:
+    """`from_torch(torch_table(...))`, named "torch <name>" (not validated)."""
+    order = torch_table(name, n_devices, n_microbatches, n_chunks)
+    return from_torch(order, n_microbatches, name=f"torch {name}")
+

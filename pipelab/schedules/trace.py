@@ -1,0 +1,277 @@
+"""`Trace`: what ran when (and how much memory it held) in one pipelined step.
+
+Every interpreter — the simulator, the local engine, the distributed engine — returns a
+Trace, so metrics, plots and exports are written once.  `source` says where the times
+came from:
+
+- "simulated": a cost model (`pl.simulate`);
+- "measured": wall clock, one device per stage (CUDA events, or one process per rank;
+  then `n_processes` says how many, and `waits` and `messages` show the communication);
+- "replayed": every op really ran and was timed, but several stages shared one device
+  (all of them on a CPU), so the measured durations are replayed on one virtual clock
+  per stage: the timeline the step would have with one device per stage.
+
+Memory is kept as `MemorySample`s, one curve per device and per `what` (MEMORY_KINDS):
+
+- "counted": activation bytes by the rule of `pipelab.predict.memory.activation_samples` — the
+  bytes autograd saved for a micro-batch (the engines) or the cost model's bytes (the
+  simulator), added when its F ends and released when its backward ends.  A prediction
+  from `Costs.from_profile` equals it by construction: a consistency check only;
+- "observed": an engine's measurement that does not go through that rule — the real
+  lifetime of every storage a stage keeps (saved for backward, its input, its output
+  until sent, a gradient until used), ended by PyTorch freeing it
+  (`pipelab/runtime/memory_observer.py`, which also says how each change is put on the
+  trace's time axis);
+- "allocated" / "allocated_peak" (CUDA): `torch.cuda.memory_allocated` at the end of each
+  action and `torch.cuda.max_memory_allocated` during it — everything the allocator holds
+  on the device (parameters, gradients and temporaries included).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple
+
+from .action import Action
+
+SOURCE_LABELS = {
+    "simulated": "simulated (cost model)",
+    "measured": "measured (wall clock, one device per stage)",
+    "replayed": "measured op times, replayed on one virtual clock per stage",
+}
+
+
+class Event(NamedTuple):
+    stage: int
+    kind: str
+    microbatch: int
+    start: float  # seconds from the start of the step
+    end: float
+    device: int
+
+    @property
+    def action(self) -> Action:
+        return Action(self.kind, self.stage, self.microbatch)
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+MEMORY_KINDS = ("counted", "observed", "allocated", "allocated_peak")
+LEGACY_MEMORY_KINDS = {"activations": "counted"}  # the name "counted" had before
+
+
+class MemorySample(NamedTuple):
+    device: int
+    time: float  # seconds
+    bytes: int  # bytes held on `device` from `time` on
+    what: str = "counted"  # one of MEMORY_KINDS (see the module docstring)
+
+
+def memory_kind(what: str) -> str:
+    """`what` checked against MEMORY_KINDS ("activations", the old name of "counted", is accepted)."""
+    what = LEGACY_MEMORY_KINDS.get(what, what)
+    if what not in MEMORY_KINDS:
+        raise ValueError(f"memory samples are one of {list(MEMORY_KINDS)}, got {what!r}")
+    return what
+
+
+class Wait(NamedTuple):
+    """A device idle because its next action's message had not arrived (distributed engine)."""
+
+    device: int
+    start: float
+    end: float
+    action: Action  # the action that waited
+
+
+class Message(NamedTuple):
+    """An activation or a gradient travelling between devices (distributed engine).
+
+    `sent`: when the sender posted it (right after computing it); `received`: when the
+    receiving action had it in hand (the end of its wait; if it arrived earlier, the
+    moment the receiver asked for it).
+    """
+
+    source_device: int
+    target_device: int
+    sent: float
+    received: float
+    action: Action  # the action that produced it: 1F3 is an activation, 2B3 a gradient
+
+
+@dataclass
+class Trace:
+    events: list[Event]
+    memory: list[MemorySample]
+    source: str
+    n_stages: int
+    n_microbatches: int
+    n_devices: int
+    schedule_name: str = "custom"
+    device_names: list[str] = field(default_factory=list)
+    waits: list[Wait] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+    n_processes: int = 1
+    observed_peak_parts: list[dict[str, int]] = field(default_factory=list)  # per device: bytes by reason
+    # (runtime.memory_observer.REASONS) at the device's observed peak; empty unless an engine's step
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCE_LABELS:
+            raise ValueError(f"Trace.source must be one of {sorted(SOURCE_LABELS)}, got {self.source!r}")
+        if any(s.what not in MEMORY_KINDS for s in self.memory):
+            self.memory = [s._replace(what=memory_kind(s.what)) for s in self.memory]
+
+    @property
+    def source_label(self) -> str:
+        if self.source == "measured" and self.n_processes > 1:
+            return f"measured (wall clock, {self.n_processes} processes)"
+        return SOURCE_LABELS[self.source]
+
+    @property
+    def makespan(self) -> float:
+        """Seconds from the first action's start to the last action's end."""
+        if not self.events:
+            return 0.0
+        return max(e.end for e in self.events) - min(e.start for e in self.events)
+
+    @property
+    def busy_time(self) -> list[float]:
+        """Seconds each device spends computing."""
+        busy = [0.0] * self.n_devices
+        for e in self.events:
+            busy[e.device] += e.duration
+        return busy
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the step: 1 - sum(busy) / (devices x makespan).
+
+        For GPipe and 1F1B with uniform stages and no communication this is
+        (p-1)/(m+p-1) (GPipe §2.3; Megatron-LM SC21 §2.2.1).
+        """
+        if self.makespan == 0:
+            return 0.0
+        return 1.0 - sum(self.busy_time) / (self.n_devices * self.makespan)
+
+    @property
+    def speedup(self) -> float:
+        """Work done / makespan = n_devices x (1 - bubble_fraction): how many devices' worth were busy.
+
+        Equals the speed-up over one device running the same actions back to back (no
+        communication); p·m/(m+p-1) for GPipe/1F1B with uniform stages.
+        """
+        return sum(self.busy_time) / self.makespan if self.makespan else 0.0
+
+    @property
+    def peak_inflight(self) -> list[int]:
+        """Most micro-batches whose activations a stage holds at once (forward started, backward not done).
+
+        A micro-batch enters at the start of its F and leaves at the end of its last
+        backward action (B, or W when the backward is split).
+        """
+        last_backward: dict[tuple[int, int], Event] = {}
+        for e in self.events:
+            if e.kind in ("B", "W"):
+                key = (e.stage, e.microbatch)
+                if key not in last_backward or e.end > last_backward[key].end:
+                    last_backward[key] = e
+        changes: list[tuple[float, int, int]] = []  # (time, +1/-1, stage); leaving sorts first at ties
+        for e in self.events:
+            if e.kind == "F":
+                changes.append((e.start, 1, e.stage))
+        for (stage, _), e in last_backward.items():
+            changes.append((e.end, -1, stage))
+        held, peak = [0] * self.n_stages, [0] * self.n_stages
+        for _, delta, stage in sorted(changes):
+            held[stage] += delta
+            peak[stage] = max(peak[stage], held[stage])
+        return peak
+
+    def memory_curve(self, device: int, what: str = "counted") -> tuple[list[float], list[int]]:
+        """(times, bytes) of one device's memory samples of kind `what`, in time order (ties: as recorded)."""
+        what = memory_kind(what)
+        samples = sorted((s for s in self.memory if s.device == device and s.what == what), key=lambda s: s.time)
+        return [s.time for s in samples], [s.bytes for s in samples]
+
+    @property
+    def memory_kinds(self) -> list[str]:
+        """The kinds of memory samples this trace holds, in MEMORY_KINDS order."""
+        present = {s.what for s in self.memory}
+        return [what for what in MEMORY_KINDS if what in present]
+
+    def peak_memory_by(self, what: str) -> list[int]:
+        """Peak bytes on each device of the samples of kind `what` ("counted", "observed", "allocated", ...).
+
+        Asking for a kind the trace does not hold is an error (a simulated trace has only
+        "counted"; "observed" comes from an engine's step, "allocated" from CUDA), except
+        "counted", which is all zeros when there is no memory model.
+        """
+        what = memory_kind(what)
+        if what != "counted" and what not in self.memory_kinds:
+            raise ValueError(f"this {self.source} trace has no {what!r} memory samples (it has "
+                             f"{self.memory_kinds or 'none'}): 'observed' comes from an engine's step, "
+                             "'allocated' from one on CUDA")
+        peak = [0] * self.n_devices
+        for s in self.memory:
+            if s.what == what:
+                peak[s.device] = max(peak[s.device], s.bytes)
+        return peak
+
+    @property
+    def peak_memory(self) -> list[int]:
+        """Peak activation bytes on each device by the counting rule: `peak_memory_by("counted")`.
+
+        For an engine's trace compare predictions with `peak_memory_observed` too: the
+        counted curve is built by the simulator's own rule.
+        """
+        return self.peak_memory_by("counted")
+
+    @property
+    def peak_memory_observed(self) -> list[int]:
+        """Peak bytes each device really kept for activations (an engine's trace): `peak_memory_by("observed")`."""
+        return self.peak_memory_by("observed")
+
+    def durations(self) -> dict[Action, float]:
+        """Seconds each action took: feed them back to the simulator to replay this step."""
+        return {e.action: e.duration for e in self.events}
+
+    def to_chrome_trace(self, path: str | Path) -> Path:
+        """Write the trace as Chrome trace-event JSON (open in Perfetto or chrome://tracing).
+
+        One track per device ("X" complete events, microseconds) plus a counter track per
+        device and memory kind ("counted", "observed", ...).
+        """
+        origin = min((e.start for e in self.events), default=0.0)
+        records = []
+        for device in range(self.n_devices):
+            name = self.device_names[device] if device < len(self.device_names) else f"device {device}"
+            records.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": device,
+                            "args": {"name": f"device {device} ({name})"}})
+        for e in self.events:
+            records.append({
+                "name": f"{e.kind}{e.microbatch}", "cat": e.kind, "ph": "X", "pid": 0, "tid": e.device,
+                "ts": (e.start - origin) * 1e6, "dur": e.duration * 1e6,
+                "args": {"stage": e.stage, "microbatch": e.microbatch, "action": str(e.action)},
+            })
+        for w in self.waits:
+            records.append({"name": f"wait for {w.action}", "cat": "wait", "ph": "X", "pid": 0, "tid": w.device,
+                            "ts": (w.start - origin) * 1e6, "dur": (w.end - w.start) * 1e6})
+        for k, m in enumerate(self.messages):  # flow arrows from the sender's track to the receiver's
+            common = {"name": f"message {m.action}", "cat": "message", "pid": 0, "id": k}
+            records.append({**common, "ph": "s", "tid": m.source_device, "ts": (m.sent - origin) * 1e6})
+            records.append({**common, "ph": "f", "bp": "e", "tid": m.target_device,
+                            "ts": (m.received - origin) * 1e6})
+        for s in sorted(self.memory, key=lambda s: s.time):
+            records.append({"name": f"{s.what} bytes, device {s.device}", "ph": "C", "pid": 0,
+                            "ts": (s.time - origin) * 1e6, "args": {"bytes": s.bytes}})
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        meta = {"source": self.source_label, "schedule": self.schedule_name, "n_stages": self.n_stages,
+                "n_microbatches": self.n_microbatches, "makespan_s": self.makespan,
+                "bubble_fraction": self.bubble_fraction}
+        path.write_text(json.dumps({"traceEvents": records, "displayTimeUnit": "ms", "otherData": meta}))
+        return path

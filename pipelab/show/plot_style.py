@@ -1,0 +1,57 @@
+"""What every pipelab picture shares: the backend, the colours, counted nouns, the time unit.
+
+The same colours everywhere: forward blue, backward orange, weight-gradient green;
+idle time is hatched grey, so the bubble is what you see.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import matplotlib
+
+if "ipykernel" not in sys.modules:  # scripts and tests draw to files; notebooks keep their own backend
+    matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+from ..schedules.trace import Trace  # noqa: E402
+
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+IDLE = "#EEEEEE"
+WAIT = "#555555"  # waiting for a message (distributed engine)
+MESSAGE = "#B03060"  # an activation or gradient in flight
+
+
+def distinct_colors(n: int) -> list:
+    """n colours, no two alike: tab10 up to 10, tab20 up to 20, then evenly spaced on viridis
+    (matplotlib's default cycle repeats after 10, so device 10 would look like device 0)."""
+    if n <= 10:
+        return [plt.get_cmap("tab10")(k) for k in range(n)]
+    if n <= 20:
+        return [plt.get_cmap("tab20")(k) for k in range(n)]
+    return [plt.get_cmap("viridis")(k / (n - 1)) for k in range(n)]
+
+
+def counted(n: int, noun: str) -> str:
+    """"1 device", "2 devices", "1 micro-batch", "3 micro-batches"."""
+    return f"{n} {noun if n == 1 else noun + ('es' if noun.endswith(('ch', 'sh', 's', 'x')) else 's')}"
+
+
+def devices_named(devices: list[int]) -> str:
+    """"device 2", "devices 0, 1, 3"."""
+    return ("device " if len(devices) == 1 else "devices ") + ", ".join(map(str, devices))
+
+
+def time_unit(span: float, source: str) -> tuple[float, str]:
+    """(scale, axis label) for times spanning `span` seconds (or cost-model units, when simulated)."""
+    if source == "simulated" and span >= 1:
+        return 1.0, "time (cost-model units)"
+    return (1e3, "time (ms)") if span < 10 else (1.0, "time (s)")
+
+
+def check_trace(trace, function: str) -> None:
+    """A clear TypeError when a plot is handed something other than a Trace."""
+    if not isinstance(trace, Trace):
+        raise TypeError(f"{function} expects a pipelab Trace, got {type(trace).__name__}")
