@@ -7,7 +7,8 @@ the implementation chosen with ``--impl``:
 
     --impl exercises    your code in exercises/ (the default)
     --impl solutions    the reference answers in solutions/
-    --impl DIRECTORY    a directory of replacement modules (tests/mutants/<task>/<name>/)
+    --impl DIRECTORY    a directory of replacement modules (a mutant: <folder>/<task>/<name>/,
+                        written by tests/mutant_patches.py from tests/mutants/<task>/<name>.patch)
     --impl A,B,...      several: each graded test runs once per implementation, with the
                         implementation's name in its id (tests/test_grading.py does this
                         to pay for importing torch once per task, not once per mutant)
@@ -24,13 +25,14 @@ They are asked for when ``--impl`` is given, when ``-m`` or ``-k`` mentions a ta
 when a path under ``tests/tasks`` is on the command line.  Otherwise (the plain run)
 ``tests/tasks`` is skipped, and ``tests/test_grading.py`` grades them instead, in
 subprocesses: every test passes on solutions/, fails with NotImplementedError on the
-stubs of exercises/, and kills every mutant in ``tests/mutants/``.
+stubs of exercises/, and kills every mutant (``tests/mutants/<task>/<name>.patch``).
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -39,7 +41,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS_DIR = ROOT / "tests" / "tasks"
-MUTANTS_DIR = ROOT / "tests" / "mutants"
 PACKAGES = ("exercises", "solutions")
 
 if str(ROOT) not in sys.path:  # so `import exercises` works under the bare `pytest` too
@@ -61,9 +62,10 @@ def impl_choices(config: pytest.Config) -> list[str]:
 
 
 def impl_label(choice: str) -> str:
-    """Short name for test ids: 'solutions', 'task1_2/torch_chunk', or the directory name."""
+    """Short name for test ids: 'solutions', 'task1_2/torch_chunk' (a mutant's directory,
+    <folder>/task1_2/torch_chunk), or the directory name."""
     path = Path(choice).resolve()
-    return f"{path.parent.name}/{path.name}" if MUTANTS_DIR in path.parents else path.name
+    return f"{path.parent.name}/{path.name}" if re.fullmatch(r"task\d+_\d+", path.parent.name) else path.name
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -95,8 +97,6 @@ def grading_requested(config: pytest.Config) -> bool:
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    if collection_path == MUTANTS_DIR:
-        return True  # modules to be graded, not tests
     if collection_path == TASKS_DIR and not grading_requested(config):
         config.stash[_TASKS_SKIPPED] = True
         return True

@@ -6,9 +6,12 @@ These tests run it in subprocesses, through ``pipelab.course.grade.run_task_test
 - on solutions/, every graded test passes;
 - on the stubs of exercises/, every graded test fails with the NotImplementedError of
   its own task (a test that passes on a stub, or fails for another reason, is named);
-- every mutant in tests/mutants/<task>/<name>/ (a plausible wrong answer) fails at least
-  one test of its task, for a reason other than an import error; at least three per task
-  (a mutant named *_hangs is an infinite loop, stopped by a 2 s timeout);
+- every mutant (a plausible wrong answer), tests/mutants/<task>/<name>.patch, fails at
+  least one test of its task, for a reason other than an import error; at least three per
+  task (a mutant named *_hangs is an infinite loop, stopped by a 2 s timeout).  A mutant is
+  a small patch of its solution, its explanation before the diff; each is applied once
+  per session to a copy of the solution, <tmp>/<task>/<name>/<module>.py, and that folder
+  is graded as ``--impl`` (tests/mutant_patches.py; every patch must still apply);
 - and it does so whatever hypothesis' seed: a test that draws nothing (no ``@given``)
   catches it under every seed, and each property test that catches it under the fixed
   profile is run again under 20 random seeds (one pytest process, no shrinking) and
@@ -51,16 +54,21 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # python tests/test_grading.py: this checkout's pipelab, not an installed one
+    sys.path.insert(0, str(ROOT))
+
+from mutant_patches import Mutant, PatchError, all_mutants  # tests/ is on sys.path (pytest, or the script's folder)
+
 from pipelab import grade
 
-ROOT = Path(__file__).resolve().parents[1]
-MUTANTS_DIR = ROOT / "tests" / "mutants"
-MUTANTS = sorted(path for path in MUTANTS_DIR.glob("task*/*") if path.is_dir() and path.name != "__pycache__")
+MUTANTS = all_mutants()  # tests/mutants/<task>/<name>.patch, named "task1_1/greedy"
 MODULES = sorted(path.stem for path in (ROOT / "exercises").glob("*.py") if path.stem != "__init__")
 TASKS = grade.tasks_with_tests()
 META = ("--hypothesis-profile=pipelab-fixed",)  # registered in tests/tasks/conftest.py
@@ -69,17 +77,49 @@ N_SEEDS = 20
 LOAD_ERRORS = {"ImportError", "ModuleNotFoundError", "SyntaxError", "FileNotFoundError", "NotImplementedError"}
 
 
-def mutant_name(path: Path) -> str:
-    return f"{path.parent.name}/{path.name}"
+def mutant_name(mutant: Mutant) -> str:
+    return mutant.name
 
 
-def task_of(mutant: Path) -> str:
-    return grade.task_id(mutant.parent.name)
+def task_of(mutant: Mutant) -> str:
+    return grade.task_id(mutant.task)
 
 
-def hangs(mutant: Path) -> bool:
+def hangs(mutant: Mutant) -> bool:
     """A mutant named *_hangs never returns: it runs alone, stopped by a 2 s timeout."""
-    return mutant.name.endswith("_hangs")
+    return mutant.short_name.endswith("_hangs")
+
+
+def impl_name(impl: str) -> str:
+    """What an outcome's ``impl`` names: "solutions", "exercises", or a mutant's name, from
+    the folder it was written to (<tmp>/task1_1/greedy: "task1_1/greedy")."""
+    return impl if impl in grade.PACKAGES else f"{Path(impl).parent.name}/{Path(impl).name}"
+
+
+def materialize(mutants: list[Mutant], folder: Path) -> dict[Mutant, Path | PatchError]:
+    """Each mutant's --impl directory, folder/<task>/<name>/ (its solution, patched), or
+    the PatchError of a patch that no longer applies."""
+    folders = {}
+    for mutant in mutants:
+        try:
+            folders[mutant] = mutant.materialize(folder).resolve()
+        except PatchError as error:
+            folders[mutant] = error
+    return folders
+
+
+@pytest.fixture(scope="session")
+def mutant_folders(tmp_path_factory) -> dict[Mutant, Path | PatchError]:
+    """Every mutant written once per session, as <tmp>/<task>/<name>/<module>.py."""
+    return materialize(MUTANTS, tmp_path_factory.mktemp("mutants"))
+
+
+def folder_of(mutant_folders, mutant: Mutant) -> Path:
+    """The mutant's --impl directory; the test fails with the PatchError if it has none."""
+    folder = mutant_folders[mutant]
+    if isinstance(folder, PatchError):
+        pytest.fail(str(folder), pytrace=False)
+    return folder
 
 
 def task_test_source(task: str) -> str:
@@ -98,28 +138,31 @@ RUNS = {task: run_of_task(task) for task in TASKS}
 LAUNCHING_RUNS = {RUNS[task] for task in TASKS if "distributed.launch(" in task_test_source(task)}
 
 
-def run_name(mutant: Path) -> str:
+def run_name(mutant: Mutant) -> str:
     """The run that holds a mutant: its task's run, or its own when it hangs."""
     return mutant_name(mutant) if hangs(mutant) else RUNS[task_of(mutant)]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def runs(request):
+def runs(request, mutant_folders):
     """Future[TestRun] per task (solutions, exercises and the task's mutants in one pytest
     process) and per hanging mutant (alone, stopped at its first failure).  Autouse, so
     they start before this module's first test; but only the runs that the selected tests
-    ask for (by a ``runs`` argument) are started."""
+    ask for (by a ``runs`` argument) are started.  A mutant whose patch does not apply is
+    left out (its tests fail with the PatchError)."""
+    folders = {mutant: str(folder) for mutant, folder in mutant_folders.items() if isinstance(folder, Path)}
     jobs = {}
     for name in dict.fromkeys(RUNS.values()):
         tasks = [task for task in TASKS if RUNS[task] == name]
-        mutants = [str(path) for path in MUTANTS if task_of(path) in tasks and not hangs(path)]
+        mutants = [folders[m] for m in MUTANTS if m in folders and task_of(m) in tasks and not hangs(m)]
         jobs[name] = dict(
             impl=["solutions", "exercises", *mutants], tasks=tasks, pytest_args=(*META, *own_mutants_only(tasks))
         )
-    for path in filter(hangs, MUTANTS):
-        jobs[mutant_name(path)] = dict(
-            impl=str(path), tasks=[task_of(path)], timeout_s=2.0, pytest_args=(*META, "-x")
-        )
+    for mutant in filter(hangs, MUTANTS):
+        if mutant in folders:
+            jobs[mutant_name(mutant)] = dict(
+                impl=folders[mutant], tasks=[task_of(mutant)], timeout_s=2.0, pytest_args=(*META, "-x")
+            )
     needed = set()
     for item in request.session.items:
         if item.path != Path(__file__).resolve() or "runs" not in inspect.signature(item.obj).parameters:
@@ -148,17 +191,19 @@ def own_mutants_only(tasks: list[str]) -> tuple[str, ...]:
     return ("-k", " and ".join(clauses))
 
 
-def outcomes_of(runs, impl: str | Path) -> list[grade.TestOutcome]:
-    """The outcomes of one implementation, over the runs that hold it (for a mutant, of
-    its own task's tests only)."""
-    names = [run_name(impl)] if isinstance(impl, Path) else dict.fromkeys(RUNS.values())
+def outcomes_of(runs, impl: str | Mutant) -> list[grade.TestOutcome]:
+    """The outcomes of one implementation ("solutions", "exercises" or a mutant), over the
+    runs that hold it (for a mutant, of its own task's tests only)."""
+    mutant = impl if isinstance(impl, Mutant) else None
+    names = [run_name(mutant)] if mutant else dict.fromkeys(RUNS.values())
+    wanted = mutant.name if mutant else impl
     outcomes = []
     for name in names:
         run = runs[name].result()
         assert run.outcomes and not run.errors, "\n".join(run.errors) or run.output[-3000:]
         outcomes += [
             o for o in run.outcomes
-            if o.impl == str(impl) and (not isinstance(impl, Path) or o.task == task_of(impl))
+            if impl_name(o.impl) == wanted and (not mutant or o.task == task_of(mutant))
         ]
     return outcomes
 
@@ -304,12 +349,12 @@ def test_every_task_test_fails_on_the_stubs_with_not_implemented_error(runs):
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=mutant_name)
-def test_mutant_is_killed(runs, mutant):
+def test_mutant_is_killed(runs, mutant_folders, mutant):
+    folder_of(mutant_folders, mutant)  # its patch applies
     killers = [o for o in outcomes_of(runs, mutant) if o.status in ("failed", "timed_out")]
-    docstring = ast.get_docstring(ast.parse(next(mutant.glob("*.py")).read_text())) or ""
     assert killers, (
         f"mutant {mutant_name(mutant)} survived: every test of its task passes on it. "
-        f"Add a test that catches it:\n{docstring}"
+        f"Add a test that catches it:\n{mutant.explanation()}"
     )
     first = killers[0]
     assert first.error_type not in LOAD_ERRORS, (
@@ -338,27 +383,27 @@ def function_of(outcome: grade.TestOutcome) -> str:
     return outcome.nodeid.split("::")[1].split("[")[0]
 
 
-def killers(runs, mutant: Path) -> set[str]:
+def killers(runs, mutant: Mutant) -> set[str]:
     """The tests (function names) that caught the mutant under the fixed profile."""
     return {function_of(o) for o in outcomes_of(runs, mutant) if o.status in ("failed", "timed_out")}
 
 
 @pytest.fixture(scope="module")
-def seed_run(runs, tmp_path_factory):
+def seed_run(runs, mutant_folders, tmp_path_factory):
     """(seeds, {mutant: property tests}, TestRun): each mutant through the property tests
     that caught it under the fixed profile, once per seed, all in one pytest process."""
     seeds = sorted(random.SystemRandom().sample(range(2**32), N_SEEDS))
     rerun = {}
-    for mutant in (path for path in MUTANTS if run_name(path) in runs and not hangs(path)):
+    for mutant in (m for m in MUTANTS if run_name(m) in runs and isinstance(mutant_folders[m], Path) and not hangs(m)):
         caught_by = killers(runs, mutant) & property_tests(task_of(mutant))
         if caught_by:
             rerun[mutant] = sorted(caught_by)
     if not rerun:
         return seeds, rerun, grade.TestRun()
     only = tmp_path_factory.mktemp("seeds") / "only.json"
-    only.write_text(json.dumps({str(mutant): names for mutant, names in rerun.items()}), encoding="utf-8")
+    only.write_text(json.dumps({str(mutant_folders[m]): names for m, names in rerun.items()}), encoding="utf-8")
     run = grade.run_task_tests(
-        [str(mutant) for mutant in rerun], sorted({task_of(mutant) for mutant in rerun}),
+        [str(mutant_folders[m]) for m in rerun], sorted({task_of(m) for m in rerun}),
         pytest_args=(SEEDS_PROFILE, f"--seeds={','.join(map(str, seeds))}", f"--only={only}"),
     )
     assert run.outcomes and not run.errors, "\n".join(run.errors) or run.output[-3000:]
@@ -366,11 +411,12 @@ def seed_run(runs, tmp_path_factory):
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=mutant_name)
-def test_mutant_is_killed_whatever_the_seed(runs, seed_run, mutant):
+def test_mutant_is_killed_whatever_the_seed(runs, mutant_folders, seed_run, mutant):
     """Caught under every seed: by a test that draws nothing (no @given), whose outcome
     the seed cannot change; and by each property test that caught it under the fixed
     profile, run again under 20 random seeds (so their random part does not depend on
     luck either)."""
+    folder_of(mutant_folders, mutant)  # its patch applies
     caught_by = killers(runs, mutant)
     assert caught_by, f"mutant {mutant_name(mutant)} was not caught at all"
     if hangs(mutant):
@@ -382,14 +428,15 @@ def test_mutant_is_killed_whatever_the_seed(runs, seed_run, mutant):
     seeds, rerun, run = seed_run
     if mutant not in rerun:
         return  # caught only by tests that draw nothing: the seed cannot matter
-    failed = {seed for o in run.outcomes if o.impl == str(mutant) for seed in o.caught_under_seeds}
+    failed = {seed for o in run.outcomes if impl_name(o.impl) == mutant.name for seed in o.caught_under_seeds}
     survived = [seed for seed in seeds if seed not in failed]
     task_file = f"tests/tasks/test_{grade.marker(task_of(mutant))}.py"
     assert not survived, (
         f"mutant {mutant_name(mutant)}: the property tests {rerun[mutant]} caught it under the "
         f"fixed profile, not under the seeds {survived} (of {len(seeds)}): pin the case that "
-        f"catches it with @example.  Rerun: python -m pytest {task_file} --impl "
-        f"{mutant.relative_to(ROOT)} {SEEDS_PROFILE} --seeds={survived[0]} -p no:cacheprovider"
+        f"catches it with @example.  Rerun: python tests/mutant_patches.py /tmp/mutants "
+        f"{mutant.name} && python -m pytest {task_file} --impl /tmp/mutants/{mutant.name} "
+        f"{SEEDS_PROFILE} --seeds={survived[0]} -p no:cacheprovider"
     )
 
 
@@ -408,8 +455,53 @@ def test_each_task_file_marks_all_its_tests(task):
 
 @pytest.mark.parametrize("task", TASKS)
 def test_each_task_has_at_least_three_mutants(task):
-    names = [mutant_name(path) for path in MUTANTS if path.parent.name == grade.marker(task)]
-    assert len(names) >= 3, f"task {task} has {names}; add plausible wrong answers in tests/mutants"
+    names = [mutant_name(mutant) for mutant in MUTANTS if mutant.task == grade.marker(task)]
+    assert len(names) >= 3, (
+        f"task {task} has {names}; add plausible wrong answers as tests/mutants/{grade.marker(task)}/<name>.patch"
+    )
+
+
+# ---- the mutants' patches -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=mutant_name)
+def test_mutant_patch_applies(mutant_folders, mutant):
+    """Each patch applies exactly to today's solution of its own task, changes it, and
+    says what is wrong before its diff."""
+    folder = folder_of(mutant_folders, mutant)
+    solution = ROOT / "solutions" / f"{mutant.module}.py"
+    solution_task = (ast.get_docstring(ast.parse(solution.read_text(encoding="utf-8"))) or "").split(":")[0]
+    assert grade.task_id(solution_task) == task_of(mutant), (
+        f"mutant {mutant_name(mutant)} patches solutions/{mutant.module}.py, a module of {solution_task}"
+    )
+    patched = (folder / f"{mutant.module}.py").read_text(encoding="utf-8")
+    assert patched != solution.read_text(encoding="utf-8"), f"mutant {mutant_name(mutant)} changes nothing"
+    compile(patched, f"{mutant_name(mutant)}/{mutant.module}.py", "exec")
+    assert mutant.explanation(), f"mutant {mutant_name(mutant)}: say what is wrong before the diff"
+
+
+def test_a_patch_that_no_longer_applies_names_the_mutant_and_the_hunk(tmp_path):
+    """On a copy of the solutions: lines added above a hunk move it (it still applies, found
+    by its lines); a line of a hunk changed under it fails with the mutant and the hunk."""
+    mutant = max(MUTANTS, key=lambda m: (len(m.read().hunks), m.name))  # a patch of several hunks
+    hunks = mutant.read().hunks
+    solutions = tmp_path / "solutions"
+    solutions.mkdir()
+    copy = solutions / f"{mutant.module}.py"
+    original = (ROOT / "solutions" / f"{mutant.module}.py").read_text(encoding="utf-8")
+
+    copy.write_text("# a comment\n# and another\n" + original, encoding="utf-8")
+    assert mutant.source(solutions) == "# a comment\n# and another\n" + mutant.source()
+
+    last = "".join(hunks[-1].old)
+    assert original.count(last) == 1
+    copy.write_text(original.replace(last, last.replace("\n", "  # changed\n", 1)), encoding="utf-8")
+    with pytest.raises(PatchError) as raised:
+        mutant.materialize(tmp_path / "out", solutions)
+    message = str(raised.value)
+    assert f"mutant {mutant_name(mutant)}:" in message and f"hunk {len(hunks)} of {len(hunks)}" in message, message
+    assert f"solutions/{mutant.module}.py" in message and "# changed" in message, message
+    assert not (tmp_path / "out").exists(), "a patch that does not apply writes nothing"
 
 
 # ---- exercises and solutions stay in step ---------------------------------------------
@@ -452,9 +544,9 @@ def test_same_signatures_and_docstrings(module_name):
 
 
 @pytest.mark.parametrize("mutant", MUTANTS, ids=mutant_name)
-def test_mutants_keep_the_signatures(mutant):
-    (path,) = mutant.glob("*.py")
-    spec = importlib.util.spec_from_file_location(f"_mutant_{mutant.name}", path)
+def test_mutants_keep_the_signatures(mutant_folders, mutant):
+    (path,) = folder_of(mutant_folders, mutant).glob("*.py")
+    spec = importlib.util.spec_from_file_location(f"_mutant_{mutant.task}_{mutant.short_name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     solution = importlib.import_module(f"solutions.{path.stem}")
@@ -576,34 +668,42 @@ def kill_counts(n_seeds: int = N_SEEDS) -> str:
         "   (caught under k of the seeds by property tests alone)",
     ]
     totals = [0, 0, 0, 0]
-    for task in TASKS:
-        mutants = [path for path in MUTANTS if task_of(path) == task]
-        others = [path for path in mutants if not hangs(path)]
-        fixed = grade.run_task_tests([str(path) for path in others], [task], pytest_args=META)
-        for path in filter(hangs, mutants):
-            fixed.outcomes += grade.run_task_tests(str(path), [task], timeout_s=2.0, pytest_args=(*META, "-x")).outcomes
-        seeded = grade.run_task_tests(
-            [str(path) for path in others], [task],
-            pytest_args=(SEEDS_PROFILE, f"--seeds={','.join(map(str, seeds))}"),
-        ) if others and property_tests(task) else grade.TestRun()
-        counts, weak = [len(mutants), 0, 0, 0], []
-        for path in mutants:
-            caught_by = {function_of(o) for o in fixed.outcomes
-                         if o.impl == str(path) and o.status in ("failed", "timed_out")}
-            failed_seeds = {seed for o in seeded.outcomes if o.impl == str(path) for seed in o.caught_under_seeds}
-            by_properties = failed_seeds >= set(seeds)
-            counts[1] += bool(caught_by)
-            if not caught_by:
-                statuses = sorted({o.status for o in fixed.outcomes if o.impl == str(path)})
-                weak.append(f"{path.name} NOT CAUGHT ({', '.join(statuses) or 'no outcome'})")
-            counts[2] += bool(caught_by - property_tests(task)) or by_properties
-            counts[3] += by_properties
-            if not by_properties and not hangs(path):
-                weak.append(f"{path.name} {len(failed_seeds)}/{n_seeds}")
-        totals = [total + count for total, count in zip(totals, counts)]
-        n = counts[0]
-        lines.append(f"{task:5} {n:>7} {counts[1]:>4}/{n:<2} {counts[2]:>6}/{n:<2} {counts[3]:>18}/{n:<2}"
-                     f"   {', '.join(weak)}")
+    with tempfile.TemporaryDirectory(prefix="pipelab-mutants-") as folder:
+        folders = materialize(MUTANTS, Path(folder))
+        broken = [str(error) for error in folders.values() if isinstance(error, PatchError)]
+        if broken:
+            raise SystemExit("\n".join(broken))
+        for task in TASKS:
+            mutants = [mutant for mutant in MUTANTS if task_of(mutant) == task]
+            others = [mutant for mutant in mutants if not hangs(mutant)]
+            fixed = grade.run_task_tests([str(folders[m]) for m in others], [task], pytest_args=META)
+            for mutant in filter(hangs, mutants):
+                fixed.outcomes += grade.run_task_tests(
+                    str(folders[mutant]), [task], timeout_s=2.0, pytest_args=(*META, "-x")
+                ).outcomes
+            seeded = grade.run_task_tests(
+                [str(folders[m]) for m in others], [task],
+                pytest_args=(SEEDS_PROFILE, f"--seeds={','.join(map(str, seeds))}"),
+            ) if others and property_tests(task) else grade.TestRun()
+            counts, weak = [len(mutants), 0, 0, 0], []
+            for mutant in mutants:
+                caught_by = {function_of(o) for o in fixed.outcomes
+                             if impl_name(o.impl) == mutant.name and o.status in ("failed", "timed_out")}
+                failed_seeds = {seed for o in seeded.outcomes if impl_name(o.impl) == mutant.name
+                                for seed in o.caught_under_seeds}
+                by_properties = failed_seeds >= set(seeds)
+                counts[1] += bool(caught_by)
+                if not caught_by:
+                    statuses = sorted({o.status for o in fixed.outcomes if impl_name(o.impl) == mutant.name})
+                    weak.append(f"{mutant.short_name} NOT CAUGHT ({', '.join(statuses) or 'no outcome'})")
+                counts[2] += bool(caught_by - property_tests(task)) or by_properties
+                counts[3] += by_properties
+                if not by_properties and not hangs(mutant):
+                    weak.append(f"{mutant.short_name} {len(failed_seeds)}/{n_seeds}")
+            totals = [total + count for total, count in zip(totals, counts)]
+            n = counts[0]
+            lines.append(f"{task:5} {n:>7} {counts[1]:>4}/{n:<2} {counts[2]:>6}/{n:<2} {counts[3]:>18}/{n:<2}"
+                         f"   {', '.join(weak)}")
     n = totals[0]
     lines.append(f"{'all':5} {n:>7} {totals[1]:>4}/{n:<2} {totals[2]:>6}/{n:<2} {totals[3]:>18}/{n:<2}")
     return "\n".join(lines)
@@ -612,6 +712,7 @@ def kill_counts(n_seeds: int = N_SEEDS) -> str:
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="Kill counts of tests/mutants: " + kill_counts.__doc__.split("\n")[0])
+    description = "Kill counts of the mutants (tests/mutants/*/*.patch): " + kill_counts.__doc__.split("\n")[0]
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--seeds", type=int, default=N_SEEDS, help=f"random seeds (default {N_SEEDS})")
     print(kill_counts(parser.parse_args().seeds))
