@@ -73,7 +73,7 @@ def build(name: str, p: int, m: int, v: int) -> tuple[pl.Schedule, pl.Costs]:
 
 def optimizer_for(schedule: pl.Schedule):
     """Asynchronous PipeDream updates during the step: plain SGD per stage (its time is inside each B)."""
-    return (lambda params: torch.optim.SGD(params, lr=1e-3)) if schedule.meta.get("asynchronous") else None
+    return (lambda params: torch.optim.SGD(params, lr=1e-3)) if schedule.asynchronous else None
 
 
 def model_and_batch():

@@ -20,7 +20,7 @@ def run_cases(cases: list[tuple]) -> list[dict]:
     for kind, schedule, checkpoint in cases:
         model = make_model(kind)
         x, y = pl.models.sample_batch(model, BATCH, seed=2)
-        asynchronous = schedule.meta.get("asynchronous", False)
+        asynchronous = schedule.asynchronous
         pipe = pl.DistributedPipeline(model, schedule.n_microbatches, schedule, pl.models.default_loss(model),
                                       checkpoint=checkpoint, optimizer=momentum_sgd if asynchronous else None)
         result = pipe.step(x, y)

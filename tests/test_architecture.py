@@ -74,7 +74,7 @@ def test_a_lazy_import_inside_a_function_still_counts(copy_of_the_package):
     done = lint_imports(copy_of_the_package)
     assert broken(done) == [CONFIG["contracts"][2]["name"]], done.stdout
     assert "No cycles are allowed in pipelab.schedules" in done.stdout, done.stdout
-    assert ".action -> .validate" in done.stdout, done.stdout
+    assert ".action -> .validate" in done.stdout or ".validate -> .action" in done.stdout, done.stdout
 
 
 def test_the_engine_importing_a_picture_is_forbidden(copy_of_the_package):

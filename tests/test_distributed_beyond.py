@@ -61,13 +61,13 @@ def check_asynchronous(kind, schedule, seen, where):
     x, y = pl.models.sample_batch(model, BATCH, seed=2)
     m, loss_fn = schedule.n_microbatches, pl.models.default_loss(model)
     losses = sequential_reference(model, schedule.n_stages, pl.microbatch.split(x, m), pl.microbatch.split(y, m),
-                                  loss_fn, cases.momentum_sgd, schedule.meta["update_every"])
+                                  loss_fn, cases.momentum_sgd, schedule.update_every)
     want = dict(model.named_parameters())
     owners = set()
     for found in seen:
         torch.testing.assert_close(torch.tensor(found["losses"]), torch.tensor(losses), rtol=1e-6, atol=1e-7,
                                    msg=lambda e: f"{where}: minibatch losses {e}")
-        if m % schedule.meta["update_every"] == 0:  # else the last backwards' gradients wait for an update
+        if m % schedule.update_every == 0:  # else the last backwards' gradients wait for an update
             assert not found["grads"], f"{where}: gradients left after the updates"
         for name, weight in found["weights"].items():
             owners.add(name)
@@ -82,7 +82,7 @@ def test_interleaved_zero_bubble_and_pipedream_on_ranks_equal_their_references(n
     per_rank = pl.distributed.launch(cases.run_cases, n_ranks, grid, timeout_seconds=240)
     references = {kind: reference(kind) for kind in ("mlp", "gpt")}
     for k, (kind, schedule, checkpoint) in enumerate(grid):
-        if schedule.meta.get("asynchronous"):
+        if schedule.asynchronous:
             check_asynchronous(kind, schedule, [rank[k] for rank in per_rank],
                                f"{kind} {schedule.name} on {n_ranks} ranks, checkpoint={checkpoint}")
             continue

@@ -112,7 +112,9 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(pl.ScheduleError, match="1B1"):
         pl.Pipeline(model, 2, 2, broken, nn.MSELoss())
     split_backward = pl.schedules.gpipe(2, 1)
-    split_backward.actions[0].append(pl.Action("W", 0, 0))  # a split backward needs a W for every B
+    split_backward.actions[1].append(pl.Action("W", 1, 0))  # a stage that splits its backward needs I and W
+    split_backward = pl.Schedule(2, 1, split_backward.actions)  # its 1B0 is read as 1I0
+    split_backward.actions[1].remove(pl.Action("W", 1, 0))
     with pytest.raises(pl.ScheduleError, match="missing action 1W0"):
         pl.Pipeline(model, 2, 1, split_backward, nn.MSELoss())
     pipe = pl.Pipeline(model, 2, 8, "1f1b", nn.MSELoss(), devices="cpu")

@@ -90,7 +90,7 @@ def test_zero_bubble_h1_equals_single_device_step(kind, checkpoint):
             assert sorted(map(str, (e.action for e in trace.events))) == sorted(map(str, sched.all_actions()))
             for e in trace.events:  # W ran after its own B, in the replay
                 if e.kind == "W":
-                    b = next(f for f in trace.events if f.action == Action("B", e.stage, e.microbatch))
+                    b = next(f for f in trace.events if f.action == Action("I", e.stage, e.microbatch))
                     assert e.start >= b.end, where
 
 
@@ -187,15 +187,15 @@ def test_observed_memory_between_b_and_w_by_hand():
     # counted: stage 0 saves x and Z (GELU's input); stage 1 its input h, its output and the target
     assert trace.peak_memory == [x_ + h_, h_ + o_ + o_]
     end = {e.action: e.end for e in trace.events}
-    # after B, until W: stage 1 keeps what it saved and the gradient of its output recorded at the Linear
+    # after I, until W: stage 1 keeps what it saved and the gradient of its output recorded at the Linear
     # for W (o_); stage 0 (no input gradient to compute) what it saved and the gradient it received
-    assert level_at(trace, 1, "observed", end[Action("B", 1, 0)]) == h_ + o_ + o_ + o_
-    assert level_at(trace, 0, "observed", end[Action("B", 0, 0)]) == x_ + h_ + h_
-    # the peak of stage 1: at the end of B, also the gradient of its input, about to be sent
+    assert level_at(trace, 1, "observed", end[Action("I", 1, 0)]) == h_ + o_ + o_ + o_
+    assert level_at(trace, 0, "observed", end[Action("I", 0, 0)]) == x_ + h_ + h_
+    # the peak of stage 1: at the end of I, also the gradient of its input, about to be sent
     assert trace.peak_memory_observed[1] == h_ + o_ + o_ + o_ + h_
     assert trace.observed_peak_parts[1] == {"saved": h_ + o_ + o_, "gradient": o_ + h_}
     for device in range(2):
-        assert level_at(trace, device, "counted", end[Action("B", device, 0)]) == trace.peak_memory[device]
+        assert level_at(trace, device, "counted", end[Action("I", device, 0)]) == trace.peak_memory[device]
         assert trace.memory_curve(device, "observed")[1][-1] == 0 == trace.memory_curve(device)[1][-1]
 
 

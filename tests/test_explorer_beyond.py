@@ -88,8 +88,8 @@ def test_the_menu_and_the_sliders_only_their_schedule_reads():
 
 def test_real_runs_of_the_new_schedules():
     predicted, measured = run_for_real(2, 2, "zb-h1", width=32, samples_per_microbatch=4, weight_share=0.5)
-    assert sorted(e.kind for e in measured.events) == sorted(e.kind for e in predicted.events) == ["B"] * 4 + [
-        "F"] * 4 + ["W"] * 4
+    assert sorted(e.kind for e in measured.events) == sorted(e.kind for e in predicted.events) == ["F"] * 4 + [
+        "I"] * 4 + ["W"] * 4
     predicted, measured = run_for_real(2, 2, "interleaved-1f1b", width=32, samples_per_microbatch=4, n_chunks=2)
     assert measured.n_stages == predicted.n_stages == 4 and measured.n_devices == 2
     predicted, measured = run_for_real(2, 3, "pipedream-async", width=32, samples_per_microbatch=4)

@@ -69,34 +69,35 @@ def test_interleaved_names_the_micro_batch_counts_that_would_work():
         schedules.interleaved_1f1b(4, 8, 2.0)
 
 
-def test_zero_bubble_tables_validate_with_every_w_after_its_b():
+def test_zero_bubble_tables_validate_with_every_w_after_its_i():
     for p, m in GRID:
         sched = schedules.validate(schedules.zero_bubble_h1(p, m))
-        expected = sorted(Action(k, s, i) for k in "FBW" for s in range(p) for i in range(m))
+        expected = sorted(Action(k, s, i) for k in "FIW" for s in range(p) for i in range(m))
         assert sorted(sched.all_actions()) == expected
         for row in sched.actions:
             position = {a: k for k, a in enumerate(row)}
-            assert all(position[Action("W", a.stage, a.microbatch)] > k for k, a in enumerate(row) if a.kind == "B")
+            assert all(position[Action("W", a.stage, a.microbatch)] > k for k, a in enumerate(row) if a.kind == "I")
 
 
 def test_zero_bubble_without_its_w_actions_is_1f1b():
     for p, m in GRID:
-        forward_and_input = [[a for a in row if a.kind != "W"] for row in schedules.zero_bubble_h1(p, m).actions]
+        forward_and_input = [[a._replace(kind="B") if a.kind == "I" else a for a in row if a.kind != "W"]
+                             for row in schedules.zero_bubble_h1(p, m).actions]
         assert forward_and_input == schedules.one_f_one_b(p, m).actions
 
 
 def test_a_w_before_its_b_is_explained():
     sched = schedules.zero_bubble_h1(2, 2)
     row = sched.actions[1]
-    b, w = row.index(Action("B", 1, 0)), row.index(Action("W", 1, 0))
+    b, w = row.index(Action("I", 1, 0)), row.index(Action("W", 1, 0))
     row[b], row[w] = row[w], row[b]
-    with pytest.raises(pl.ScheduleError, match="weight-gradient step needs its backward first"):
+    with pytest.raises(pl.ScheduleError, match="weight gradient needs its own input gradient first"):
         schedules.validate(sched)
 
 
 def test_by_name_knows_the_new_schedules():
     assert schedules.by_name("ZB-H1", 4, 8).actions == schedules.zero_bubble_h1(4, 8).actions
-    assert schedules.by_name("pipedream", 4, 8).meta["asynchronous"] is True
+    assert schedules.by_name("pipedream", 4, 8).asynchronous is True
     with pytest.raises(ValueError, match="interleaved_1f1b"):
         schedules.by_name("interleaved", 4, 8)
 

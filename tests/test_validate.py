@@ -76,9 +76,23 @@ def test_missing_action_is_named(name):
             validate(without(sched, action))
 
 
-def test_missing_w_when_the_schedule_splits_the_backward():
-    sched = Schedule(2, 1, [[F(0, 0), B(0, 0), W(0, 0)], [F(1, 0), B(1, 0)]])
-    with pytest.raises(ScheduleError, match=r"missing action 1W0"):
+def test_missing_w_on_a_stage_that_splits_its_backward():
+    sched = Schedule(2, 1, [[F(0, 0), B(0, 0), W(0, 0)], [F(1, 0), Action("I", 1, 0)]])
+    with pytest.raises(ScheduleError, match=r"missing action 1W0 .*stage 1 splits its backward"):
+        validate(sched)
+
+
+def test_b_on_a_stage_with_w_actions_is_its_input_gradient_half():
+    """The zero-bubble papers write the input-gradient half B; pipelab reads it as I, so B always means
+    the whole backward.  Each stage chooses: stage 0 splits here, stage 1 runs whole backwards."""
+    sched = validate(Schedule(2, 1, [[F(0, 0), B(0, 0), W(0, 0)], [F(1, 0), B(1, 0)]]))
+    assert [[str(a) for a in row] for row in sched.actions] == [["0F0", "0I0", "0W0"], ["1F0", "1B0"]]
+    assert [str(kind) for kind in sched.gradient_kind] == ["I", "B"]
+
+
+def test_whole_and_split_backwards_on_one_stage_are_refused():
+    sched = Schedule(1, 2, [[F(0, 0), B(0, 0), F(0, 1), Action("I", 0, 1)]])
+    with pytest.raises(ScheduleError, match=r"stage 0 runs whole backwards \(B\) and split ones \(I, W\)"):
         validate(sched)
 
 
@@ -95,7 +109,6 @@ def test_duplicated_action_is_named():
     (B(-1, 0), r"-1B0 names stage -1"),
     (F(0, 4), r"0F4 names micro-batch 4.*4 micro-batches"),
     (B(0, -1), r"0B-1 names micro-batch -1"),
-    (Action("X", 0, 0), r"unknown kind 'X'"),
     (("F", 0, 0), r"\('F', 0, 0\) is not an Action"),
     ("0F0", r"'0F0' is not an Action"),
     (None, r"None is not an Action"),
@@ -106,6 +119,12 @@ def test_bad_entries_are_named_with_their_position(bad, pattern):
     rows[2].insert(1, bad)
     with pytest.raises(ScheduleError, match=r"device 2, position 1: .*" + pattern):
         validate(with_rows(sched, rows))
+
+
+def test_an_unknown_kind_is_refused_when_the_action_is_made():
+    with pytest.raises(ScheduleError, match=r"unknown kind 'X'; kinds are F \(forward\), B \(backward\), "
+                                            r"I \(input gradient\), W \(weight gradient\)"):
+        Action("X", 0, 0)
 
 
 def test_a_row_that_is_not_a_list_is_named():
@@ -157,7 +176,7 @@ def test_backward_before_next_stage_backward_when_both_stages_share_a_device():
 
 def test_w_before_its_backward():
     sched = Schedule(1, 1, [[F(0, 0), W(0, 0), B(0, 0)]])
-    with pytest.raises(ScheduleError, match=r"0W0 .*needs 0B0.*weight-gradient"):
+    with pytest.raises(ScheduleError, match=r"0W0 .*needs 0I0.*weight gradient needs its own input gradient"):
         validate(sched)
 
 

@@ -40,8 +40,8 @@ from ..predict.costs import Costs
 from ..predict.simulate import simulate
 from ..runtime.distributed import DistributedPipeline
 from ..runtime.local import Pipeline
-from ..runtime.loop import producer
 from ..runtime.processes import DistributedError, launch
+from ..schedules.action import GRADIENT, GRADIENT_KINDS, Action
 from ..schedules.trace import Trace, Wait
 
 # The lesson's model: eight Linear+GELU blocks of width 512, a batch of 1024 samples.  With
@@ -281,11 +281,11 @@ def three_ways(n_processes: int = 2, n_microbatches: int = 8, schedule: str = "1
 def why_waited(trace: Trace, wait: Wait) -> str:
     """Why a rank sat waiting: which action on which rank produced the message, and when it was sent.
 
-    F(s, i) waits for the activation of F(s-1, i), B(s, i) for the gradient of B(s+1, i)
-    (DESIGN.md); the message's `sent` is when the producer had it ready.
+    F(s, i) waits for the activation of F(s-1, i), B(s, i) for the gradient of stage s+1's
+    backward of micro-batch i (`KIND_SPECS`); the message's `sent` is when the producer had it ready.
     """
-    source = producer(wait.action, trace.n_stages)
-    what = "activation" if wait.action.kind == "F" else "gradient"
+    source = _producer_in(trace, wait.action)
+    what = "activation" if wait.action.spec.sends > 0 else "gradient"
     message = next((m for m in trace.messages if m.action == source), None)
     if source is None or message is None:
         return f"rank {wait.device} waited {(wait.end - wait.start) * 1e3:.2f} ms before {wait.action.describe()}"
@@ -295,6 +295,16 @@ def why_waited(trace: Trace, wait: Wait) -> str:
             f"the {what} of {source.describe()}, which rank {message.source_device} ran from "
             f"{(producing.start - origin) * 1e3:.2f} to {(producing.end - origin) * 1e3:.2f} ms and sent at "
             f"{(message.sent - origin) * 1e3:.2f} ms; it arrived at {(message.received - origin) * 1e3:.2f} ms")
+
+
+def _producer_in(trace: Trace, action: Action) -> Action | None:
+    """The action of `trace` on another stage whose result `action` received, or None."""
+    for need, offset in action.spec.needs:
+        if offset:
+            kinds = GRADIENT_KINDS if need == GRADIENT else {need}
+            return next((e.action for e in trace.events if e.stage == action.stage + offset
+                         and e.microbatch == action.microbatch and e.kind in kinds), None)
+    return None
 
 
 def time_per_rank(trace: Trace) -> list[dict[str, float]]:

@@ -26,7 +26,7 @@ import torch
 from ..common.checks import check_counts
 from ..runtime.local import Pipeline
 from ..schedules import one_f_one_b
-from ..schedules.action import Action
+from ..schedules.action import RELEASING_KINDS, Action
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Trace
 
@@ -72,7 +72,7 @@ def train_flushed(model: torch.nn.Module, n_stages: int, n_microbatches: int, in
 def update_times(trace: Trace, microbatches_per_update: int = 1) -> list[float]:
     """When each update is complete: the end of stage 0's B of every `microbatches_per_update`-th micro-batch."""
     check_counts(microbatches_per_update=microbatches_per_update)
-    ends = {e.microbatch: e.end for e in trace.events if e.stage == 0 and e.kind == "B"}
+    ends = {e.microbatch: e.end for e in trace.events if e.stage == 0 and e.kind in RELEASING_KINDS}
     if not ends or sorted(ends) != list(range(len(ends))):
         raise ValueError("the trace needs stage 0's backward of every micro-batch 0, 1, 2, ...")
     if len(ends) % microbatches_per_update:

@@ -1,18 +1,18 @@
-"""A stage's backward split in two (Zero Bubble PP): B, the input gradient, now; W, the weight gradient, later.
+"""A stage's backward split in two (Zero Bubble PP): I, the input gradient, now; W, the weight gradient, later.
 
-B runs autograd from the stage output to the stage input only, keeping the graph.  On
+I runs autograd from the stage output to the stage input only, keeping the graph.  On
 its way it passes the nodes where the weights hang off the input path (for a Linear,
 the matrix multiply whose other input is the weight): there it records the gradient
 arriving at the node.  W later starts from those nodes with those recorded gradients and
 runs only the branches that lead to the weights.  So every gradient is computed once:
-the activation gradients (input path) in B, the weight gradients in W; a node on the
-boundary (the matmul) runs twice, each time for different outputs (dX in B, dW in W).
+the activation gradients (input path) in I, the weight gradients in W; a node on the
+boundary (the matmul) runs twice, each time for different outputs (dX in I, dW in W).
 The idea is PyTorch's (`torch/distributed/pipelining/_backward.py`, stage_backward_input
 and stage_backward_weight); this is written anew, grouping the boundary nodes by the
 weights they reach so that each W call runs only its own branches.
 
 A stage whose input needs no gradient (the first stage, or integer tokens) has no input
-path: its B computes nothing and its W the whole backward.
+path: its I computes nothing and its W the whole backward.
 
 The output may be given as a tensor or as its `GradientEdge` (what the engines keep once
 the output itself is freed, `runtime/stage.release_output`); a scalar output (the last
@@ -29,7 +29,7 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 @dataclass
 class WeightWork:
-    """What B leaves for W: per group, the boundary nodes, the gradients recorded at them, and
+    """What I leaves for W: per group, the boundary nodes, the gradients recorded at them, and
     the weights their branches reach."""
 
     groups: list[tuple[list[Node], list[tuple], list[torch.Tensor]]] = field(default_factory=list)
@@ -37,7 +37,7 @@ class WeightWork:
     parameters: list[torch.Tensor] = field(default_factory=list)
 
     def recorded_gradients(self) -> list[torch.Tensor]:
-        """The gradients B recorded for W (memory a stage holds from B to W, with the graph's saved tensors)."""
+        """The gradients I recorded for W (memory a stage holds from I to W, with the graph's saved tensors)."""
         found = [g for _, recorded, _ in self.groups for grads in recorded for g in grads if g is not None]
         if self.whole is not None and self.whole[1] is not None:
             found.append(self.whole[1])
@@ -62,7 +62,7 @@ def _graph(root: Node) -> list[Node]:
 
 def backward_input(output: torch.Tensor | GradientEdge, grad_output: torch.Tensor | None, inp,
                    parameters: list[torch.Tensor]):
-    """B: return d loss / d `inp` (None without an input path) and the `WeightWork` W needs.
+    """I: return d loss / d `inp` (None without an input path) and the `WeightWork` W needs.
 
     `output` is the stage's output or its GradientEdge; `grad_output` None for a scalar output.
     """
@@ -113,7 +113,7 @@ def backward_input(output: torch.Tensor | GradientEdge, grad_output: torch.Tenso
 
 
 def backward_weight(work: WeightWork) -> None:
-    """W: add d loss / d weights into each weight's `.grad`, from what B recorded."""
+    """W: add d loss / d weights into each weight's `.grad`, from what I recorded."""
     if work.whole is not None:
         output, grad = work.whole
         work.whole = None
@@ -127,7 +127,7 @@ def backward_weight(work: WeightWork) -> None:
                 if g is not None:
                     roots.append(GradientEdge(node, i))
                     grads.append(g)
-        # a boundary node below another in the same group gets exactly what B recorded there
+        # a boundary node below another in the same group gets exactly what I recorded there
         handles = ([node.register_prehook(lambda _, saved=saved: saved) for node, saved in zip(members, recorded)]
                    if len(members) > 1 else [])
         try:

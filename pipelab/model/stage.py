@@ -19,7 +19,7 @@ storage is freed (Megatron-LM's `deallocate_output_tensor` does this by shrinkin
 `output.data`; a `GradientEdge` does it with public API and no aliasing risk).  The
 backward then starts from the edge: the same graph, the same gradients.
 
-A split backward (zero-bubble schedules, `pipelab.model.split_backward`): `backward_input` (B)
+A split backward (zero-bubble schedules, `pipelab.model.split_backward`): `backward_input` (I)
 computes only the input's gradient and keeps the graph with what W needs; `backward_weight`
 (W) then adds the weight gradients.  A micro-batch is held from its F to its W.
 

@@ -4,8 +4,8 @@ The "counted" rule.  The engines (bytes counted by autograd's saved-tensor hooks
 simulator (bytes from the cost model) build their "counted" curve the same way:
 
 - F(s, i) ends:   + held(s, i)       (what stage s keeps for micro-batch i until its backward)
-- B(s, i) starts: + transient(s, i)  (a checkpointed stage recomputing its forward)
-- the last backward action of (s, i) ends (B, or W when the backward is split):
+- B(s, i) or I(s, i) starts: + transient(s, i)  (a checkpointed stage recomputing its forward)
+- the action that releases (s, i) ends (`KindSpec.releases`: B, or W when the backward is split):
                   - held(s, i) - transient(s, i)
 
 It is a rule, not a measurement: a prediction from `Costs.from_profile` (the same counts)
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from ..schedules.action import GRADIENT_KINDS, RELEASING_KINDS, Kind
 from ..schedules.trace import Event, MemorySample
 
 Bytes = Callable[[int, int], float]  # (stage, microbatch) -> bytes
@@ -26,15 +27,14 @@ Bytes = Callable[[int, int], float]  # (stage, microbatch) -> bytes
 
 def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int) -> list[MemorySample]:
     """"counted" memory samples (one per change, plus a zero at t=0 per device) following the rule above."""
-    releases = "W" if any(e.kind == "W" for e in events) else "B"
     changes = []  # (time, 0 for a release so it sorts first at equal times, device, delta)
     for e in events:
         stage, mb = e.stage, e.microbatch
-        if e.kind == "F":
+        if e.kind == Kind.F:
             changes.append((e.end, 1, e.device, held(stage, mb)))
-        if e.kind == "B" and transient(stage, mb):
+        if e.kind in GRADIENT_KINDS and transient(stage, mb):
             changes.append((e.start, 1, e.device, transient(stage, mb)))
-        if e.kind == releases:
+        if e.kind in RELEASING_KINDS:
             changes.append((e.end, 0, e.device, -held(stage, mb) - transient(stage, mb)))
     level = [0.0] * n_devices
     samples = [MemorySample(d, 0.0, 0, "counted") for d in range(n_devices)]

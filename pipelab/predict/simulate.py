@@ -5,7 +5,8 @@ its list in order; an action starts when its device is free and its inputs have 
 a message across a stage boundary taking latency + bytes / bandwidth.  Deterministic,
 O(actions) plus one sort.  Activation memory follows `pipelab.predict.memory`: +memory_bytes[s]
 when F(s, i) ends, released when stage s is done with micro-batch i (end of its B, or of
-its W when the backward is split), as the local engine measures it.
+its W when the backward is split), as the local engine measures it.  Each kind of action
+takes the `Costs` field its `KindSpec.cost` names (I: `backward`, the input-gradient half).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..common.gc_pause import gc_paused
-from ..schedules.action import Action
+from ..schedules.action import GRADIENT_KINDS, KIND_SPECS, Action, Kind
 from ..schedules.dependencies import run_dependencies
 from ..schedules.schedule import Schedule, check_structure
 from ..schedules.trace import MemorySample, Trace
@@ -50,9 +51,9 @@ def _simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None, 
         costs = Costs() if costs is None else costs
         if not isinstance(costs, Costs):
             raise TypeError(f"costs must be a pl.Costs or a dict of action durations, got {type(costs).__name__}")
-        duration = {kind: [costs.per_stage(name, s, p) for s in range(p)]
-                    for kind, name in (("F", "forward"), ("B", "backward"), ("W", "weight"))}
-        duration["B"] = [b + (f if again else 0.0) for b, f, again in zip(duration["B"], duration["F"], recompute)]
+        duration = {kind: [costs.per_stage(spec.cost, s, p) for s in range(p)] for kind, spec in KIND_SPECS.items()}
+        for kind in GRADIENT_KINDS:  # a checkpointed stage runs its forward again before its backward
+            duration[kind] = [b + (f if again else 0.0) for b, f, again in zip(duration[kind], duration[Kind.F], recompute)]
     # the link between stages b and b + 1 carries F(b)'s output and the gradient B(b + 1) sends back
     timing = run_dependencies(schedule, duration, [costs.message_seconds(b, p) for b in range(p - 1)])
     explain_stuck(schedule, timing)  # a deadlock does not depend on the durations

@@ -37,8 +37,7 @@ from ..model import microbatch
 from ..model.partition import Partition, balanced_bounds, split
 from ..predict.layout import Layout
 from ..predict.memory import activation_samples, checkpoint_plan
-from ..schedules import by_name, validate
-from ..schedules.action import Action
+from ..schedules.action import GRADIENT_KINDS, Action, Kind
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Event, Message, Trace, Wait
 from . import checkpoint, comm_count
@@ -53,10 +52,10 @@ from .hybrid import (
     parallelize,
     resolve_layout,
 )
-from .local import StepResult, attach_stashes, check_loss_fn, check_microbatch_count, split_stages
-from .loop import StageWorker, producer, run_actions
+from .loop import run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .p2p import PointToPointTransport
+from .step import StepResult, check_loss_fn, check_microbatch_count, cut_batch, make_workers, resolve_schedule, step_loss
 
 COLUMNS = ("start", "end", "wait_start", "wait_end", "sent", "saved_bytes", "recomputed_bytes", "loss")
 
@@ -129,7 +128,7 @@ class DistributedPipeline:
                                                        (self.hybrid.dp_index, self.hybrid.pp_index, self.hybrid.tp_index))
         self.backend = dist.get_backend(self.group)
         self.model, self.loss_fn, self.n_microbatches = model, loss_fn, n_microbatches
-        self.schedule = self._resolve_schedule(schedule)
+        self.schedule = resolve_schedule(schedule, n_microbatches, n_devices=self.world_size)
         self.n_stages = self.schedule.n_stages
         self.checkpoint = checkpoint_plan(checkpoint, self.n_stages)
         self.device = self._resolve_device(device)
@@ -148,12 +147,10 @@ class DistributedPipeline:
         self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
         for s, stage in enumerate(self.partition.stages):
             stage.to(self.device if s in self.stages else "meta")  # "meta": the other ranks' blocks are freed
-        split_at = split_stages(self.schedule)
-        self.workers = {s: StageWorker(s, self.partition.stages[s], self.partition.bounds[s], self.n_stages, loss_fn,
-                                       self.checkpoint[s], self.device, rank=self.rank, split_backward=s in split_at,
-                                       fused_accumulation=fused_accumulation)
-                        for s in self.stages}
-        self.asynchronous = attach_stashes(self.schedule, self.workers, optimizer)
+        self.workers = make_workers(self.schedule, self.partition, self.stages, loss_fn, self.checkpoint,
+                                    lambda s: self.device, rank=self.rank, optimizer=optimizer,
+                                    fused_accumulation=fused_accumulation)
+        self.asynchronous = self.schedule.asynchronous
         if self.asynchronous and self.hybrid is not None:
             raise PipelineError("an asynchronous schedule (PipeDream) updates each stage's weights inside its "
                                 "backwards; it does not run with tensor or data parallelism")
@@ -180,19 +177,6 @@ class DistributedPipeline:
         dist.broadcast(costs, group_src=0, group=self.group)
         bounds = balanced_bounds(costs.tolist(), self.n_stages)
         return Partition(bounds, [model[a:b] for a, b in bounds], "time", costs.tolist())
-
-    def _resolve_schedule(self, schedule) -> Schedule:
-        if isinstance(schedule, str):
-            schedule = by_name(schedule, self.world_size, self.n_microbatches)
-        if not isinstance(schedule, Schedule):
-            raise TypeError(f"schedule must be a name or a pipelab Schedule, got {type(schedule).__name__}")
-        if schedule.n_devices != self.world_size:
-            raise PipelineError(f"the schedule has {schedule.n_devices} devices but the process group has "
-                                f"{self.world_size} ranks; start one rank per device ({schedule.n_devices} processes)")
-        if schedule.n_microbatches != self.n_microbatches:
-            raise PipelineError(f"the schedule is for {schedule.n_microbatches} micro-batches, but "
-                                f"n_microbatches={self.n_microbatches}")
-        return validate(schedule)
 
     def _resolve_device(self, device) -> torch.device:
         if device is None:
@@ -273,12 +257,7 @@ class DistributedPipeline:
 
     def _pipeline_step(self, inputs: Any, targets: Any) -> StepResult:
         """One step of this rank's pipeline on `inputs` (its replica's share under data parallelism)."""
-        total = microbatch.batch_size(inputs)
-        input_chunks = microbatch.split(inputs, self.n_microbatches)
-        target_chunks = microbatch.split(targets, self.n_microbatches)
-        weights = [size / total for size in microbatch.sizes(total, self.n_microbatches)]
-        if self.asynchronous:  # each micro-batch is one of PipeDream's minibatches: its own mean loss
-            weights = [1.0] * self.n_microbatches
+        input_chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous)
         observer = MemoryObserver(self.schedule.device_of_stage(), self.parameters())
         for worker in self.workers.values():
             worker.start_step(input_chunks, target_chunks, weights, observer)
@@ -297,8 +276,8 @@ class DistributedPipeline:
         wall_seconds = time.perf_counter() - step_begin
 
         trace, losses = self._trace(table, observed)
-        loss = sum(w * l for w, l in zip(weights, losses)) / (self.n_microbatches if self.asynchronous else 1)
-        return StepResult(loss, trace, losses, wall_seconds, sum(trace.durations().values()))
+        return StepResult(step_loss(weights, losses, self.asynchronous), trace, losses, wall_seconds,
+                          sum(trace.durations().values()))
 
     def _record(self, clock: ActionClock) -> torch.Tensor:
         """This rank's row of the step table: one line per action, the COLUMNS, times on rank 0's clock."""
@@ -309,11 +288,11 @@ class DistributedPipeline:
             worker, i = self.workers[action.stage], action.microbatch
             start, end = intervals[action]
             wait = waits.get(action, (math.nan, math.nan))
-            loss = worker.losses[i] if action.kind == "F" and worker.is_last else math.nan
+            loss = worker.losses[i] if action.kind is Kind.F and worker.is_last else math.nan
             rows.append([start + offset, end + offset, wait[0] + offset, wait[1] + offset,
                          sent.get(action, math.nan) + offset,
-                         worker.saved_bytes[i] if action.kind == "F" else math.nan,
-                         worker.recomputed_bytes.get(i, 0) if action.kind == "B" else math.nan, float(loss)])
+                         worker.saved_bytes[i] if action.kind is Kind.F else math.nan,
+                         worker.recomputed_bytes.get(i, 0) if action.kind in GRADIENT_KINDS else math.nan, float(loss)])
         rows += [[math.nan] * len(COLUMNS)] * (self._step_table_rows() - len(rows))
         return torch.tensor(rows, dtype=torch.float64)
 
@@ -382,18 +361,19 @@ class DistributedPipeline:
             events.append(Event(action.stage, action.kind, action.microbatch, start - origin, end - origin, device))
             if not math.isnan(wait_start):
                 waits.append(Wait(device, wait_start - origin, wait_end - origin, action))
-                source = producer(action, self.n_stages)
+                source = self.transport.routes.producer(action)
                 messages.append(Message(device_of[source], device, values[source][4] - origin, wait_end - origin, source))
         events.sort(key=lambda e: (e.start, e.device))
         column = {name: k for k, name in enumerate(COLUMNS)}
+        gradient_kind = self.schedule.gradient_kind
         memory = activation_samples(
-            events, lambda s, i: values[Action("F", s, i)][column["saved_bytes"]],
-            lambda s, i: values[Action("B", s, i)][column["recomputed_bytes"]], self.schedule.n_devices)
+            events, lambda s, i: values[Action(Kind.F, s, i)][column["saved_bytes"]],
+            lambda s, i: values[Action(gradient_kind[s], s, i)][column["recomputed_bytes"]], self.schedule.n_devices)
         # before the first action (receives posted at the start of the step): at the step's start
         observed = [(max(t - origin, 0.0), *rest) for t, *rest in observed]
         memory += observed_samples(observed, self.schedule.n_devices)
         last = self.n_stages - 1
-        losses = [values[Action("F", last, i)][column["loss"]] for i in range(self.n_microbatches)]
+        losses = [values[Action(Kind.F, last, i)][column["loss"]] for i in range(self.n_microbatches)]
         names = [f"rank {d} ({self.device.type})" for d in range(self.world_size)]
         trace = Trace(events, memory, "measured", self.n_stages, self.n_microbatches, self.schedule.n_devices,
                       self.schedule.name, names, waits, messages, n_processes=self.world_size,

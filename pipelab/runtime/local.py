@@ -1,13 +1,10 @@
 """The local engine: run any valid Schedule in one process, on GPUs or on the CPU.
 
-`Pipeline.step(x, y)` splits the batch into micro-batches, then performs the schedule's
+`Pipeline.step(x, y)` prepares the step as every engine does (`runtime/step.py`: the
+micro-batches, their loss weights n_i / N, the workers), then performs the schedule's
 actions in a dependency-respecting order (`pipelab.schedules.dependencies`), through the loop the
 distributed engine runs too (`runtime/loop.py`).  "Sending" an activation or a gradient
-is a copy to the next stage's device (`InProcessTransport`).  Each micro-batch's loss is weighted
-by its share of the batch, n_i / N, so the summed gradients equal those of the mean loss
-over the whole batch:
-
-    mean over N samples = sum_i (n_i / N) * (mean over micro-batch i)
+is a copy to the next stage's device (`InProcessTransport`).
 
 Timing: with one CUDA device per stage the devices really run concurrently and CUDA
 events give each action's wall-clock start and end ("measured").  When stages share a
@@ -23,7 +20,6 @@ put on the trace's clock), plus on CUDA the allocator's "allocated" and "allocat
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -31,68 +27,18 @@ from torch import nn
 
 from ..common.errors import PipelineError
 from ..common.threads import check_threads, intra_op_threads
-from ..model import microbatch
 from ..model import stage as stage_ops
 from ..model.partition import Partition, split
 from ..predict.memory import activation_samples, checkpoint_plan
-from ..schedules import by_name, validate
 from ..schedules.action import Action
 from ..schedules.dependencies import run_dependencies
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Event, MemorySample, Trace
 from .clock import ActionClock
 from .devices import assign_devices
-from .loop import InProcessTransport, StageWorker, run_actions, to_device
+from .loop import InProcessTransport, run_actions, to_device
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
-from .weight_stash import WeightStash
-
-
-@dataclass
-class StepResult:
-    loss: float  # mean loss over the whole batch
-    trace: Trace
-    microbatch_losses: list[float]
-    wall_seconds: float  # host time for the whole step, engine overhead included
-    op_seconds: float  # sum of the measured durations of all actions
-
-
-def check_loss_fn(loss_fn) -> None:
-    if loss_fn is None or not callable(loss_fn):
-        raise TypeError("a pipeline needs loss_fn=<callable(output, target) -> mean loss of the micro-batch>")
-    if getattr(loss_fn, "reduction", "mean") != "mean":
-        raise PipelineError(
-            f"loss_fn has reduction={loss_fn.reduction!r}; pipelab weights each micro-batch's mean loss by its "
-            "size, so the loss must use reduction='mean'"
-        )
-
-
-def split_stages(schedule: Schedule) -> set[int]:
-    """The stages whose backward `schedule` splits into B and W (those with W actions)."""
-    return {a.stage for a in schedule.all_actions() if a.kind == "W"}
-
-
-def attach_stashes(schedule: Schedule, workers: dict, optimizer: Callable | None) -> bool:
-    """Give every worker a `WeightStash` when `schedule` is asynchronous (PipeDream); True if it is."""
-    asynchronous = bool(schedule.meta.get("asynchronous"))
-    if not asynchronous:
-        if optimizer is not None:
-            raise PipelineError("optimizer= is for asynchronous schedules (pipedream-async), whose stages update "
-                                "during the step; with this schedule, step your optimizer after pipe.step()")
-        return False
-    if optimizer is None or not callable(optimizer):
-        raise TypeError("an asynchronous schedule updates each stage's weights during the step: pass "
-                        "optimizer=<callable(params) -> torch.optim.Optimizer>, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
-    if split_stages(schedule):
-        raise PipelineError("an asynchronous schedule with W actions: weight stashing runs whole backwards only")
-    for worker in workers.values():
-        worker.stash = WeightStash(worker.module, optimizer, schedule.meta.get("update_every", 1))
-        worker.fusion = None  # F runs on the stashed version, whose gradients the stash moves itself
-    return True
-
-
-def check_microbatch_count(n_microbatches) -> None:
-    if isinstance(n_microbatches, bool) or not isinstance(n_microbatches, int) or n_microbatches < 1:
-        raise ValueError(f"n_microbatches must be a positive int, got {n_microbatches!r}")
+from .step import StepResult, check_loss_fn, check_microbatch_count, cut_batch, make_workers, resolve_schedule, step_loss
 
 
 class Pipeline:
@@ -135,18 +81,16 @@ class Pipeline:
             raise PipelineError(f"the partition has {len(self.partition)} stages, not n_stages={n_stages}")
         self.model, self.loss_fn = model, loss_fn
         self.n_stages, self.n_microbatches = n_stages, n_microbatches
-        self.schedule = self._resolve_schedule(schedule)
+        self.schedule = resolve_schedule(schedule, n_microbatches, n_stages=n_stages)
         self.checkpoint = checkpoint_plan(checkpoint, n_stages)
         self.devices = assign_devices(devices, n_stages)
         for stage, device in zip(self.partition.stages, self.devices):
             stage.to(device)
         self.parameters = [list(stage.parameters()) for stage in self.partition.stages]
-        split_at = split_stages(self.schedule)
-        self.workers = {s: StageWorker(s, stage, self.partition.bounds[s], n_stages, loss_fn, self.checkpoint[s],
-                                       self.devices[s], split_backward=s in split_at,
-                                       fused_accumulation=fused_accumulation)
-                        for s, stage in enumerate(self.partition.stages)}
-        self.asynchronous = attach_stashes(self.schedule, self.workers, optimizer)
+        self.workers = make_workers(self.schedule, self.partition, list(range(n_stages)), loss_fn, self.checkpoint,
+                                    self.devices.__getitem__, optimizer=optimizer,
+                                    fused_accumulation=fused_accumulation)
+        self.asynchronous = self.schedule.asynchronous
         self._warm = False
         self.order = run_dependencies(self.schedule, duration=lambda a: 1.0).time_order()
         device_of_stage = self.schedule.device_of_stage()
@@ -154,18 +98,6 @@ class Pipeline:
             all(d.type == "cuda" for d in self.devices) and len(set(self.devices)) == n_stages
             and sorted(device_of_stage.values()) == list(range(n_stages))
         )
-
-    def _resolve_schedule(self, schedule) -> Schedule:
-        if isinstance(schedule, str):
-            schedule = by_name(schedule, self.n_stages, self.n_microbatches)
-        if not isinstance(schedule, Schedule):
-            raise TypeError(f"schedule must be a name or a pipelab Schedule, got {type(schedule).__name__}")
-        if (schedule.n_stages, schedule.n_microbatches) != (self.n_stages, self.n_microbatches):
-            raise PipelineError(
-                f"the schedule is for {schedule.n_stages} stages x {schedule.n_microbatches} micro-batches, "
-                f"but the pipeline has {self.n_stages} x {self.n_microbatches}"
-            )
-        return validate(schedule)
 
     def step(self, inputs: Any, targets: Any) -> StepResult:
         """One training step: gradients of the mean loss over the batch are *added* to `.grad` (zero them first).
@@ -177,16 +109,9 @@ class Pipeline:
             return self._step(inputs, targets)
 
     def _step(self, inputs: Any, targets: Any) -> StepResult:
-        total = microbatch.batch_size(inputs)
-        if microbatch.batch_size(targets) != total:
-            raise ValueError(f"inputs hold {total} samples but targets hold {microbatch.batch_size(targets)}")
-        input_chunks = microbatch.split(inputs, self.n_microbatches)
-        target_chunks = microbatch.split(targets, self.n_microbatches)
+        input_chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous)
         if not self._warm:
             self._warm_up(input_chunks[0], target_chunks[0])
-        weights = [size / total for size in microbatch.sizes(total, self.n_microbatches)]
-        if self.asynchronous:  # each micro-batch is one of PipeDream's minibatches: its own mean loss
-            weights = [1.0] * self.n_microbatches
         device_of_stage = self.schedule.device_of_stage()
         observer = MemoryObserver(device_of_stage, [p for params in self.parameters for p in params])
         for worker in self.workers.values():
@@ -194,7 +119,7 @@ class Pipeline:
         clock = ActionClock(self.devices)
 
         step_begin = time.perf_counter()
-        run_actions(self.order, self.workers, InProcessTransport(self.devices, device_of_stage, observer), clock,
+        run_actions(self.order, self.workers, InProcessTransport(self.devices, self.schedule, observer), clock,
                     observer)
         wall_seconds = time.perf_counter() - step_begin
         observer.close()
@@ -202,8 +127,8 @@ class Pipeline:
         trace = self._trace(clock, observer)
         last = self.workers[self.n_stages - 1]
         losses = [float(last.losses[i]) for i in range(self.n_microbatches)]
-        loss = sum(w * l for w, l in zip(weights, losses)) / (self.n_microbatches if self.asynchronous else 1)
-        return StepResult(loss, trace, losses, wall_seconds, sum(trace.durations().values()))
+        return StepResult(step_loss(weights, losses, self.asynchronous), trace, losses, wall_seconds,
+                          sum(trace.durations().values()))
 
     def _warm_up(self, inputs: Any, targets: Any) -> None:
         """Run one micro-batch forward and backward once, untimed, leaving `.grad` untouched.

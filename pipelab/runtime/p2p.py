@@ -43,9 +43,9 @@ import torch.distributed as dist
 
 from ..common.errors import LostRankError, PipelineError
 from ..schedules.action import Action
+from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
 from . import comm_count
-from .loop import consumer_stage, producer
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -56,11 +56,12 @@ LOOKAHEAD = 2  # receives posted ahead of need, per sending rank
 def _tag(action: Action, n_microbatches: int, header: bool = False) -> int:
     """A tag unique to one message of one step: the producing action, and whether it is the header.
 
-    Even for an activation (F) or its header, odd for a gradient (B): gloo picks the
-    connection by tag modulo its number of devices, so with an even number of devices the two
-    directions never share one (module docstring).
+    Even for what goes forward (an F's activation, or its header), odd for what comes back (a
+    B's or I's gradient; `KindSpec.sends`): gloo picks the connection by tag modulo its number
+    of devices, so with an even number of devices the two directions never share one (module
+    docstring).  A stage runs B or I for a micro-batch, never both, so the tag stays unique.
     """
-    direction = 0 if action.kind == "F" else 1
+    direction = 0 if action.spec.sends > 0 else 1
     return 2 * (2 * (action.stage * n_microbatches + action.microbatch) + int(header)) + direction
 
 
@@ -120,16 +121,16 @@ class PointToPointTransport:
         self.exchange_receives: dict[int, tuple[torch.Tensor, Any]] = {}  # peer -> (buffer, work), see post_exchange
         self.n_stages, self.n_microbatches = schedule.n_stages, schedule.n_microbatches
         self.device_of_stage = schedule.device_of_stage()
+        self.routes = Routes(schedule)
         # per sending rank, the messages it sends to this rank, in its order
         self.channels: dict[int, list[_Incoming]] = defaultdict(list)
         for sender, row in enumerate(schedule.actions):
             if sender == rank:
                 continue
             for action in row:
-                target = consumer_stage(action, self.n_stages)
+                target = self.routes.consumer_stage(action)
                 if target is not None and self.device_of_stage[target] == rank:
-                    consumer = Action(action.kind, target, action.microbatch)
-                    self.channels[sender].append(_Incoming(action, consumer))
+                    self.channels[sender].append(_Incoming(action, self.routes.consumer(action)))
         self.known_shapes: dict[tuple, tuple] = {}  # (boundary stage, input signature) -> (shape, dtype)
         self.headers_sent: set[tuple] = set()
         self.observer = None  # a MemoryObserver, told of each receive buffer when it is posted
@@ -152,7 +153,7 @@ class PointToPointTransport:
 
     # -- receiving -----------------------------------------------------------------------
     def receive(self, action: Action) -> Any:
-        source = producer(action, self.n_stages)
+        source = self.routes.producer(action)
         if source is None:
             return None
         if self.device_of_stage[source.stage] == self.rank:
@@ -186,7 +187,7 @@ class PointToPointTransport:
 
     def _shape_of(self, message: _Incoming, block: bool) -> tuple | None:
         source = message.source
-        if source.kind == "B":  # a gradient: shaped like the activation this rank sent
+        if source.spec.sends < 0:  # a gradient: shaped like the activation this rank sent
             return self.sent_shapes.get((message.consumer.stage, source.microbatch))
         key = (source.stage, self.signatures[source.microbatch])
         if key in self.known_shapes:
@@ -206,10 +207,11 @@ class PointToPointTransport:
 
     # -- sending -------------------------------------------------------------------------
     def send(self, action: Action, tensor: torch.Tensor | None) -> None:
-        target = consumer_stage(action, self.n_stages)
+        target = self.routes.consumer_stage(action)
         if target is None:
             return
-        if action.kind == "F":
+        forward = action.spec.sends > 0  # an activation (else a gradient going back)
+        if forward:
             self.sent_shapes[(action.stage, action.microbatch)] = (tuple(tensor.shape), tensor.dtype)
         destination = self.device_of_stage[target]
         if destination == self.rank:
@@ -219,7 +221,7 @@ class PointToPointTransport:
             raise PipelineError(f"{action.describe()} produced no gradient to send to stage {target}: "
                                 "the activation it received did not require grad")
         tensor = tensor.contiguous()
-        if action.kind == "F":
+        if forward:
             key = (action.stage, self.signatures[action.microbatch])
             if key not in self.headers_sent:
                 header = encode_header(tensor).to(self.device)

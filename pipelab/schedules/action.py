@@ -1,37 +1,101 @@
-"""`Action`: one unit of work of a schedule, and what each kind of action needs (`NEEDS`).
+"""`Action`: one unit of work of a schedule, and the table of what each kind of action does.
 
-A schedule is a table of actions (`pipelab.schedules.schedule.Schedule`).  An action is printed as ``2F0`` (stage 2, forward, micro-batch 0): the
-same text is the log line, the Chrome-trace name and, without the stage when it is the
-row's own, the cell of `Schedule.to_text()`.
+An action is printed as ``2F0`` (stage 2, forward, micro-batch 0): the same text is the log
+line, the Chrome-trace name and, without the stage when it is the row's own, the cell of
+`Schedule.to_text()`.  Everything that depends on an action's kind — what it needs, where
+its result goes, whether the stage is then done with the micro-batch, what it costs — is
+read from `KIND_SPECS`, so a new kind of action is one row there.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from enum import Enum
 from typing import NamedTuple
 
 from ..common.errors import ScheduleError
 
-KINDS = ("F", "B", "W")
-_ACTION_RE = re.compile(r"^(\d+)?([FBW])(\d+)$")
+
+class Kind(str, Enum):
+    """What an action does with one micro-batch on one stage (a `str`: ``Kind.F == "F"``)."""
+
+    F = "F"  # forward: the stage's output from its input
+    B = "B"  # backward, whole: the gradients of the stage's input and of its weights
+    I = "I"  # noqa: E741  input-gradient half of a split backward (what the previous stage waits for)
+    W = "W"  # weight-gradient half of a split backward (which nobody waits for)
+
+    def __str__(self) -> str:
+        return self.value
+
+    __format__ = str.__format__
 
 
-class Action(NamedTuple):
-    """One unit of work: `kind` ("F", "B" or "W") of `microbatch` through `stage`."""
+GRADIENT = "gradient"
+"""In `KindSpec.needs`: the action that makes a stage's input gradient — its B, or its I when the
+stage splits its backward (`Schedule.gradient_kind`)."""
 
-    kind: str
+
+@dataclass(frozen=True)
+class KindSpec:
+    """What every action of one kind does (DESIGN.md's rules, in one place)."""
+
+    name: str  # in words, for messages
+    needs: tuple[tuple[Kind | str, int], ...]  # (kind, or GRADIENT; stage offset) of the same micro-batch
+    sends: int  # +1: its result goes to the next stage (an activation); -1: to the previous (a gradient); 0: nowhere
+    releases: bool  # the stage is done with the micro-batch once it has run
+    cost: str  # the `Costs` field that times it
+
+
+KIND_SPECS: dict[Kind, KindSpec] = {
+    Kind.F: KindSpec("forward", ((Kind.F, -1),), +1, False, "forward"),
+    Kind.B: KindSpec("backward", ((Kind.F, 0), (GRADIENT, +1)), -1, True, "backward"),
+    Kind.I: KindSpec("input gradient", ((Kind.F, 0), (GRADIENT, +1)), -1, False, "backward"),
+    Kind.W: KindSpec("weight gradient", ((Kind.I, 0),), 0, True, "weight"),
+}
+"""F(s, i) needs F(s-1, i); B(s, i) and I(s, i) need F(s, i) and the gradient stage s+1 sends back
+for micro-batch i; W(s, i) needs I(s, i).  A need whose stage falls outside 0..p-1 does not exist
+(stage 0 has no F before it, the last stage no gradient after it: it starts from the loss)."""
+
+KINDS = tuple(KIND_SPECS)
+NEEDS = {kind: spec.needs for kind, spec in KIND_SPECS.items()}
+GRADIENT_KINDS = frozenset(kind for kind, spec in KIND_SPECS.items() if spec.sends < 0)  # B, I: start a backward
+RELEASING_KINDS = frozenset(kind for kind, spec in KIND_SPECS.items() if spec.releases)  # B, W: end a micro-batch
+_ACTION_RE = re.compile(r"^(\d+)?([" + "".join(KINDS) + r"])(\d+)$")
+
+
+class _Fields(NamedTuple):
+    kind: Kind
     stage: int
     microbatch: int
 
+
+class Action(_Fields):
+    """One unit of work: `kind` (a `Kind`, or its letter) of `microbatch` through `stage`."""
+
+    __slots__ = ()
+
+    def __new__(cls, kind: Kind | str, stage: int, microbatch: int) -> "Action":
+        try:
+            kind = Kind(kind)
+        except ValueError:
+            raise ScheduleError(f"unknown kind {kind!r}; kinds are " + ", ".join(
+                f"{k.value} ({spec.name})" for k, spec in KIND_SPECS.items())) from None
+        return tuple.__new__(cls, (kind, stage, microbatch))
+
     def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
+        return f"{self.stage}{self.kind.value}{self.microbatch}"
 
     def __repr__(self) -> str:
         return str(self)
 
+    @property
+    def spec(self) -> KindSpec:
+        return KIND_SPECS[self.kind]
+
     def describe(self) -> str:
         """``"B(stage 2, mb 3)"`` — the form error messages use."""
-        return f"{self.kind}(stage {self.stage}, mb {self.microbatch})"
+        return f"{self.kind.value}(stage {self.stage}, mb {self.microbatch})"
 
     @classmethod
     def from_str(cls, text: str, stage: int | None = None) -> "Action":
@@ -40,14 +104,7 @@ class Action(NamedTuple):
         if not match or (match.group(1) is None and stage is None):
             raise ScheduleError(
                 f"cannot read {text!r} as an action: write stage, kind, micro-batch like '2F0' "
-                "(kind F = forward, B = backward, W = weight gradient)"
+                "(kind F = forward, B = backward, I = input gradient, W = weight gradient)"
             )
         found_stage = int(match.group(1)) if match.group(1) is not None else stage
         return cls(match.group(2), found_stage, int(match.group(3)))
-
-
-NEEDS = {"F": (("F", -1),), "B": (("F", 0), ("B", +1)), "W": (("B", 0),)}
-"""What an action of each kind needs, as (kind, stage offset), same micro-batch (DESIGN.md):
-F(s, i) needs F(s-1, i); B(s, i) needs F(s, i) and B(s+1, i); W(s, i) needs B(s, i).
-A need whose stage falls outside 0..p-1 does not exist (stage 0 has no F before it,
-the last stage no B after it)."""

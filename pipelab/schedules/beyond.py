@@ -68,13 +68,13 @@ def interleaved_1f1b(n_devices: int, n_microbatches: int, n_chunks: int) -> Sche
 def zero_bubble_h1(n_stages: int, n_microbatches: int) -> Schedule:
     """ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1, Figure 3 top).
 
-    The backward is split in two: B(s, i) computes only the gradient of stage s's input
-    (what stage s - 1 waits for), W(s, i) only the gradient of stage s's weights (which
-    nobody waits for).  Stage s runs 1F1B's order with B for the backward, w = min(p - s - 1, m)
-    forwards first, and defers W's: for its first s steady-state pairs it runs no
-    W, afterwards each B is followed by the W of the oldest micro-batch whose W is still
-    owed; the owed W's run at the end.  The deferred W's fill the idle slots 1F1B leaves
-    at the end of each stage, so with the same costs on every stage the idle time per
+    The backward is split in two: I(s, i) computes only the gradient of stage s's input
+    (what stage s - 1 waits for; the paper's B), W(s, i) only the gradient of stage s's
+    weights (which nobody waits for).  Stage s runs 1F1B's order with I for the backward,
+    w = min(p - s - 1, m) forwards first, and defers W's: for its first s steady-state pairs
+    it runs no W, afterwards each I is followed by the W of the oldest micro-batch whose W
+    is still owed; the owed W's run at the end.  The deferred W's fill the idle slots 1F1B
+    leaves at the end of each stage, so with the same costs on every stage the idle time per
     stage drops from (p - 1)(T_F + T_B + T_W) (1F1B, whole backwards) to
     (p - 1)(T_F + T_B - T_W) (Zero Bubble PP, Table 2), for m >= p and T_W <= T_F, T_B
     (the paper's setting, T_F ~ T_B ~ T_W; the tests sweep both sides of that bound).
@@ -82,10 +82,10 @@ def zero_bubble_h1(n_stages: int, n_microbatches: int) -> Schedule:
     at its peak, stage 0 as many as in 1F1B, so the peak over stages is 1F1B's, p M_B.
     p=4, m=8, every action one time step:
 
-        device 0 | F0 F1 F2 F3 .  .  .  B0 W0 F4 B1 W1 F5 B2 W2 F6 B3 W3 F7 B4 W4 B5 W5 B6 W6 B7 W7
-        device 1 | .  F0 F1 F2 .  .  B0 F3 B1 W0 F4 B2 W1 F5 B3 W2 F6 B4 W3 F7 B5 W4 B6 W5 B7 W6 W7
-        device 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 F6 B5 W3 F7 B6 W4 B7 W5 W6 W7
-        device 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
+        device 0 | F0 F1 F2 F3 .  .  .  I0 W0 F4 I1 W1 F5 I2 W2 F6 I3 W3 F7 I4 W4 I5 W5 I6 W6 I7 W7
+        device 1 | .  F0 F1 F2 .  .  I0 F3 I1 W0 F4 I2 W1 F5 I3 W2 F6 I4 W3 F7 I5 W4 I6 W5 I7 W6 W7
+        device 2 | .  .  F0 F1 .  I0 F2 I1 F3 I2 W0 F4 I3 W1 F5 I4 W2 F6 I5 W3 F7 I6 W4 I7 W5 W6 W7
+        device 3 | .  .  .  F0 I0 F1 I1 F2 I2 F3 I3 W0 F4 I4 W1 F5 I5 W2 F6 I6 W3 F7 I7 W4 W5 W6 W7
     """
     check_counts(n_stages=n_stages, n_microbatches=n_microbatches)
     p, m = n_stages, n_microbatches
@@ -97,7 +97,7 @@ def zero_bubble_h1(n_stages: int, n_microbatches: int) -> Schedule:
         for k in range(m):
             if warmup + k < m:
                 row.append(Action("F", s, warmup + k))
-            row.append(Action("B", s, k))
+            row.append(Action("I", s, k))
             if k >= s:  # the first s backwards leave their W for later
                 row.append(Action("W", s, owed))
                 owed += 1

@@ -84,8 +84,8 @@ def pipedream_async(n_stages: int, n_microbatches: int, update_every: int = 1) -
       stage 2 (PipeDream's optional "vertical sync" is not modelled).
 
     `pl.pipedream.weight_versions` gives each action's version; a stage keeps p - s
-    versions at once in the steady state (update_every = 1).  `meta` carries
-    {"update_every": k, "asynchronous": True}.  p=4, m=8 (1F1B's table; stage 0 runs
+    versions at once in the steady state (update_every = 1).  The schedule says
+    `asynchronous=True` and its `update_every`.  p=4, m=8 (1F1B's table; stage 0 runs
     F0..F3 with version 0, then F4 with version 1, F5 with 2, ...):
 
         device 0 | F0 F1 F2 F3 .  .  .  B0 F4 B1 F5 B2 F6 B3 F7 B4 .  B5 .  B6 .  B7
@@ -95,8 +95,8 @@ def pipedream_async(n_stages: int, n_microbatches: int, update_every: int = 1) -
     """
     check_counts(update_every=update_every)
     table = one_f_one_b(n_stages, n_microbatches)
-    return Schedule(n_stages, n_microbatches, table.actions, name="pipedream-async",
-                    meta={"update_every": update_every, "asynchronous": True})
+    return Schedule(n_stages, n_microbatches, table.actions, name="pipedream-async", asynchronous=True,
+                    update_every=update_every)
 
 
 GENERATORS = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb-h1": zero_bubble_h1, "pipedream-async": pipedream_async}

@@ -19,7 +19,7 @@ from .schedule import Schedule
 
 
 def _update_every(schedule: Schedule, update_every: int | None) -> int:
-    every = schedule.meta.get("update_every", 1) if update_every is None else update_every
+    every = schedule.update_every if update_every is None else update_every
     check_counts(update_every=every)
     return every
 
@@ -27,7 +27,7 @@ def _update_every(schedule: Schedule, update_every: int | None) -> int:
 def weight_versions(schedule: Schedule, update_every: int | None = None) -> dict[Action, int]:
     """{action: the weight version of its stage it runs with}, for every F and B (rule above).
 
-    `update_every` defaults to the schedule's `meta["update_every"]` (1 when absent).  The
+    `update_every` defaults to the schedule's own (`Schedule.update_every`, 1 unless set).  The
     live version of a stage is (B's run so far on it) // update_every.
     """
     every = _update_every(schedule, update_every)

@@ -14,8 +14,12 @@ from operator import itemgetter
 
 from ..common.checks import check_counts
 from ..common.errors import ScheduleError
-from .action import KINDS, Action
+from .action import Action, Kind
 from .dependencies import run_dependencies
+from .routes import Routes
+
+STAGE_KINDS = ({Kind.F, Kind.B}, {Kind.F, Kind.I, Kind.W})
+"""What one stage runs for every micro-batch: a forward and a whole backward, or a forward and a split one."""
 
 
 @dataclass
@@ -24,14 +28,33 @@ class Schedule:
 
     `actions[d]` lists device d's actions.  For the schedules of the foundation each
     stage has its own device (`actions[s]` holds stage s's actions); the format also
-    allows several stages on one device.
+    allows several stages on one device.  A stage either runs whole backwards (B) or splits
+    them (I, then W); a table written with B and W for a stage (the zero-bubble papers'
+    notation) is read as I and W.  `asynchronous` (PipeDream: no flush, each stage updates
+    its weights after every `update_every` of its backwards) changes how the engines run it.
     """
 
     n_stages: int
     n_microbatches: int
     actions: list[list[Action]]
     name: str = "custom"
-    meta: dict = field(default_factory=dict)
+    meta: dict = field(default_factory=dict)  # what a generator wants to remember (e.g. "n_chunks")
+    asynchronous: bool = False
+    update_every: int = 1
+
+    def __post_init__(self) -> None:
+        split = {a.stage for row in self.actions if isinstance(row, list) for a in row
+                 if isinstance(a, Action) and a.kind is Kind.W}
+        if split:  # B on a stage with W's is its input-gradient half: say so with I
+            self.actions = [[Action(Kind.I, a.stage, a.microbatch) if isinstance(a, Action) and a.kind is Kind.B
+                             and a.stage in split else a for a in row] if isinstance(row, list) else row
+                            for row in self.actions]
+
+    @property
+    def gradient_kind(self) -> list[Kind]:
+        """Per stage, the kind of action that makes its input gradient: I where it splits its backward, else B."""
+        split = {stage for row in self.actions for kind, stage, _ in row if kind is Kind.I}
+        return [Kind.I if stage in split else Kind.B for stage in range(self.n_stages)]
 
     @property
     def n_devices(self) -> int:
@@ -62,14 +85,13 @@ class Schedule:
         return [line.split("|", 1)[1].split() for line in self.to_text().splitlines()]
 
     def message_count(self) -> int:
-        """Messages one step sends between devices: each F of a stage > 0 receives its activation, each B
-        of a stage < p-1 its gradient, when the neighbouring stage is on another device; 2·m·(p-1)
-        for one stage per device, whatever the order of the actions."""
-        device = self.device_of_stage()
+        """Messages one step sends between devices: every result whose consumer stage is on another device
+        (`routes.Routes`); 2·m·(p-1) for one stage per device, whatever the order of the actions."""
+        device, routes = self.device_of_stage(), Routes(self)
         count = 0
         for action in self.all_actions():
-            neighbour = action.stage - 1 if action.kind == "F" else action.stage + 1 if action.kind == "B" else None
-            if neighbour is not None and neighbour in device and device[neighbour] != device[action.stage]:
+            target = routes.consumer_stage(action)
+            if target is not None and device.get(target) != device[action.stage]:
                 count += 1
         return count
 
@@ -116,8 +138,10 @@ def _looks_valid(schedule: Schedule) -> bool:
     flat = list(chain.from_iterable(rows))
     if not flat or set(map(type, flat)) != {Action}:
         return False
-    kinds = set(map(itemgetter(0), flat))
-    if not kinds <= set(KINDS) or not kinds >= {"F", "B"}:
+    kinds_of: dict[int, set] = {}
+    for kind, stage in set(map(itemgetter(0, 1), flat)):
+        kinds_of.setdefault(stage, set()).add(kind)
+    if any(kinds not in STAGE_KINDS for kinds in kinds_of.values()) or len(kinds_of) != schedule.n_stages:
         return False
     stages_per_row = [set(map(itemgetter(1), row)) for row in rows]
     stages = set().union(*stages_per_row)
@@ -129,7 +153,7 @@ def _looks_valid(schedule: Schedule) -> bool:
     if not stages <= set(range(schedule.n_stages)) or not microbatches <= set(range(schedule.n_microbatches)):
         return False
     # every entry in range and none repeated: complete exactly when the count is right
-    return len(set(flat)) == len(flat) == schedule.n_stages * schedule.n_microbatches * len(kinds)
+    return len(set(flat)) == len(flat) == schedule.n_microbatches * sum(map(len, kinds_of.values()))
 
 
 def _check_entries(schedule: Schedule) -> None:
@@ -141,8 +165,6 @@ def _check_entries(schedule: Schedule) -> None:
             where = f"device {device}, position {position}"
             if not isinstance(action, Action):
                 raise ScheduleError(f"{where}: {action!r} is not an Action (build one with Action('F', stage, mb))")
-            if action.kind not in KINDS:
-                raise ScheduleError(f"{where}: unknown kind {action.kind!r}; kinds are F, B and W")
             if type(action.stage) is not int or type(action.microbatch) is not int:
                 raise ScheduleError(f"{where}: {action!r} must name its stage and micro-batch with integers, "
                                     f"got {action.stage!r} and {action.microbatch!r}")
@@ -180,17 +202,19 @@ def _check_stage_placement(schedule: Schedule) -> None:
 
 def _check_complete(schedule: Schedule) -> None:
     present = set(schedule.all_actions())
-    kinds = ("F", "B", "W") if any(a.kind == "W" for a in present) else ("F", "B")
     for stage in range(schedule.n_stages):
+        kinds = {a.kind for a in present if a.stage == stage}
+        if Kind.B in kinds and kinds & {Kind.I, Kind.W}:
+            raise ScheduleError(f"stage {stage} runs whole backwards (B) and split ones (I, W); a stage does one "
+                                "or the other for every micro-batch")
+        split = bool(kinds & {Kind.I, Kind.W})
         for mb in range(schedule.n_microbatches):
-            for kind in kinds:
+            for kind in (Kind.F, Kind.I, Kind.W) if split else (Kind.F, Kind.B):
                 if (kind, stage, mb) not in present:
                     action = Action(kind, stage, mb)
-                    why = (
-                        "the schedule has W actions, so every B needs its W"
-                        if kind == "W"
-                        else "every micro-batch needs a forward and a backward on every stage"
-                    )
+                    why = (f"stage {stage} splits its backward, so every micro-batch needs its input-gradient I "
+                           "and its weight-gradient W there" if split
+                           else "every micro-batch needs a forward and a backward on every stage")
                     raise ScheduleError(f"missing action {action} ({action.describe()}): {why}")
 
 
@@ -206,7 +230,7 @@ def _unit_time_grid(schedule: Schedule) -> str:
     for device, row in enumerate(schedule.actions):
         for action in row:
             if action in timing.start:
-                label = str(action) if action.stage != device else f"{action.kind}{action.microbatch}"
+                label = str(action) if action.stage != device else f"{action.kind.value}{action.microbatch}"
                 grid[device][int(round(timing.start[action]))] = label
     width = max((len(cell) for line in grid for cell in line), default=1)
     label_width = len(str(schedule.n_devices - 1))

@@ -10,10 +10,10 @@ pass mock stages too), and `from_torch` turns it into a pipelab Schedule, which
     sched = pl.schedules.from_torch(order, n_microbatches=8)
     pl.schedules.validate(sched)
 
-Translation of PyTorch's computation types: F -> F; I (backward of the input only) -> B;
-W (backward of the weights) -> W; B (a full backward) -> B, or B followed at once by W
-when the same table also splits backwards (pipelab's tables either split every backward
-or none); OVERLAP_F_B -> its sub-actions in order.  Communication and bookkeeping
+Translation of PyTorch's computation types: F, I (backward of the input only), W (backward
+of the weights) and B (a full backward) keep their letters, except a B on a stage that
+elsewhere splits its backward, which becomes I followed at once by W (a pipelab stage
+either splits every backward or none); OVERLAP_F_B -> its sub-actions in order.  Communication and bookkeeping
 actions (SEND_F, RECV_B, UNSHARD, RESHARD, REDUCE_GRAD, ...) and the None idle slots are
 dropped: pipelab derives messages from the dependencies, and idle time from running them.
 """
@@ -33,7 +33,7 @@ TORCH_NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZero
 """The schedule classes `torch_table` builds (torch.distributed.pipelining.schedules.get_schedule_class)."""
 
 _V_SHAPED = ("ZBVZeroBubble", "DualPipeV")  # rank r holds stages r and 2p - 1 - r
-_KIND = {"F": "F", "I": "B", "W": "W", "B": "B"}
+_KIND = {"F": "F", "I": "I", "W": "W", "B": "B"}
 
 
 class _MockStage:
@@ -122,14 +122,15 @@ def from_torch(pipeline_order: Mapping[int, list], n_microbatches: int, name: st
                     raise ScheduleError(f"rank {rank}, position {position}: {part} names no micro-batch")
                 row.append((kind, part.stage_index, part.microbatch_index, part.computation_type.value))
         rows.append(row)
-    splits = any(full == "W" for row in rows for *_, full in row)
+    split = {stage for row in rows for kind, stage, _, _ in row if kind == "W"}
     actions = []
     for row in rows:
         out = []
-        for kind, stage, mb, full in row:
-            out.append(Action(kind, stage, mb))
-            if splits and full == "B":  # a full backward in a split table: its two halves, back to back
-                out.append(Action("W", stage, mb))
+        for kind, stage, mb, _ in row:
+            if kind == "B" and stage in split:  # a full backward on a splitting stage: its two halves, back to back
+                out += [Action("I", stage, mb), Action("W", stage, mb)]
+            else:
+                out.append(Action(kind, stage, mb))
         actions.append(out)
     n_stages = 1 + max((a.stage for row in actions for a in row), default=0)
     return Schedule(n_stages, n_microbatches, actions, name=name)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from .action import Action
+from .action import RELEASING_KINDS, Action, Kind
 
 SOURCE_LABELS = {
     "simulated": "simulated (cost model)",
@@ -45,7 +45,7 @@ SOURCE_LABELS = {
 
 class Event(NamedTuple):
     stage: int
-    kind: str
+    kind: Kind
     microbatch: int
     start: float  # seconds from the start of the step
     end: float
@@ -170,18 +170,18 @@ class Trace:
     def peak_inflight(self) -> list[int]:
         """Most micro-batches whose activations a stage holds at once (forward started, backward not done).
 
-        A micro-batch enters at the start of its F and leaves at the end of its last
-        backward action (B, or W when the backward is split).
+        A micro-batch enters at the start of its F and leaves at the end of the action that
+        releases it (`KindSpec.releases`: B, or W when the backward is split).
         """
         last_backward: dict[tuple[int, int], Event] = {}
         for e in self.events:
-            if e.kind in ("B", "W"):
+            if e.kind in RELEASING_KINDS:
                 key = (e.stage, e.microbatch)
                 if key not in last_backward or e.end > last_backward[key].end:
                     last_backward[key] = e
         changes: list[tuple[float, int, int]] = []  # (time, +1/-1, stage); leaving sorts first at ties
         for e in self.events:
-            if e.kind == "F":
+            if e.kind == Kind.F:
                 changes.append((e.start, 1, e.stage))
         for (stage, _), e in last_backward.items():
             changes.append((e.end, -1, stage))

@@ -8,7 +8,7 @@ waiting on each other, is named with the actions concerned.
 from __future__ import annotations
 
 from ..common.errors import ScheduleError
-from .action import Action
+from .action import Action, Kind
 from .dependencies import run_dependencies
 from .schedule import Schedule, check_structure
 
@@ -17,8 +17,8 @@ def validate(schedule: Schedule) -> Schedule:
     """Check `schedule` and return it, or raise `ScheduleError` naming the first problem.
 
     Checked in order: every entry is an Action with a known kind, stage and micro-batch;
-    no action appears twice; each stage runs on one device; every F and B (and W, when
-    the schedule splits the backward) is present; and the dependencies can all be met —
+    no action appears twice; each stage runs on one device; every micro-batch has its F and
+    its B on every stage (or its I and W, on a stage that splits the backward); and the dependencies can all be met —
     found by running them (`run_dependencies`): a device whose next action waits for
     something later in its own list, or a cycle of devices waiting on each other.
     """
@@ -63,10 +63,9 @@ def _first_unrun(schedule: Schedule, timing, device: int) -> int:
 
 
 def _why(action: Action, needed: Action) -> str:
-    if action.kind == "B" and needed.kind == "F":
-        return "a backward needs its own forward first"
-    if action.kind == "F":
+    if needed.stage == action.stage:
+        return f"a {action.spec.name} needs its own {needed.spec.name} first"
+    if action.kind is Kind.F:
         return "a forward needs the previous stage's forward of the same micro-batch (its input)"
-    if action.kind == "B":
-        return "a backward needs the next stage's backward of the same micro-batch (its gradient)"
-    return "a weight-gradient step needs its backward first"
+    return (f"a {action.spec.name} needs the gradient the next stage's {needed.spec.name} ({needed.kind.value}) "
+            "sends back for the same micro-batch")

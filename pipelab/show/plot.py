@@ -92,7 +92,7 @@ def _draw(ax, trace: Trace, scale: float, label_microbatches: bool = True) -> No
                             facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0))
     # white separators between neighbouring actions, unless the bars are too thin for them to show
     separator = 0.6 if len(trace.events) <= 64 * max(trace.n_devices, 1) else 0.0
-    for kind in "FBW":
+    for kind in COLORS:
         chosen = [e for e in trace.events if e.kind == kind]
         if chosen:
             table = np.array([(e.start - origin, e.duration, e.device) for e in chosen], dtype=float)
@@ -163,7 +163,7 @@ def _boxes(lefts: np.ndarray, widths: np.ndarray, rows: np.ndarray) -> Path:
 
 
 def _legend(ax, events, n_rows: int, communication: bool = False) -> None:
-    kinds = sorted({e.kind for e in events}, key="FBW".index)
+    kinds = [kind for kind in COLORS if any(e.kind == kind for e in events)]
     handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in kinds]
     handles.append(Patch(facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", label="idle (bubble)"))
     if communication:

@@ -15,10 +15,11 @@ if "ipykernel" not in sys.modules:  # scripts and tests draw to files; notebooks
 
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ..schedules.action import KIND_SPECS  # noqa: E402
 from ..schedules.trace import Trace  # noqa: E402
 
-COLORS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-NAMES = {"F": "forward", "B": "backward", "W": "weight gradient"}
+COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#E3A04F", "W": "#55A868"}  # one per `Kind`
+NAMES = {kind.value: spec.name for kind, spec in KIND_SPECS.items()}
 IDLE = "#EEEEEE"
 WAIT = "#555555"  # waiting for a message (distributed engine)
 MESSAGE = "#B03060"  # an activation or gradient in flight

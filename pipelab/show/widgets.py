@@ -22,7 +22,7 @@ from ..predict.costs import Costs
 from ..predict.simulate import simulate
 from ..runtime.local import Pipeline
 from ..schedules import by_name, interleaved_1f1b
-from ..schedules.action import Action
+from ..schedules.action import Action, Kind
 from ..schedules.pipedream import versions_in_flight, weight_versions
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Trace
@@ -139,7 +139,7 @@ def explorer_view(n_devices: int, n_microbatches: int, schedule: str = "1f1b", b
     shaping = {"n_chunks": n_chunks, "weight_share": weight_share}[read[0]] if read else None
     inputs = (n_devices, n_microbatches, schedule, backward_ratio, latency, checkpoint, shaping, memory_budget or None)
     view = ExplorerView(trace, formula, memory_budget, inputs, formula_text)
-    if table.meta.get("asynchronous"):
+    if table.asynchronous:
         used = weight_versions(table)
         view.weight_versions = versions_in_flight(table)
         view.last_versions = [used[Action("F", s, n_microbatches - 1)] for s in range(table.n_stages)]
@@ -349,14 +349,14 @@ def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", wi
     model = models.mlp(depth=max(8, table.n_stages), width=width, seed=seed)
     inputs, targets = models.sample_batch(model, n_microbatches * samples_per_microbatch, seed=seed)
     loss_fn = torch.nn.MSELoss()
-    optimizer = (lambda params: torch.optim.SGD(params, lr=0.01)) if table.meta.get("asynchronous") else None
+    optimizer = (lambda params: torch.optim.SGD(params, lr=0.01)) if table.asynchronous else None
     pipe = Pipeline(model, table.n_stages, n_microbatches, table, loss_fn, devices="cpu", optimizer=optimizer)
     pipe.step(inputs, targets)  # warm-up
     model.zero_grad(set_to_none=True)
     measured = pipe.step(inputs, targets).trace
     one_microbatch = (inputs[:samples_per_microbatch], targets[:samples_per_microbatch])
     costs = Costs.from_profile(model, pipe.partition, one_microbatch, loss_fn, repeats=3)
-    if any(a.kind == "W" for a in table.all_actions()):
+    if Kind.I in table.gradient_kind:  # the profile timed whole backwards: share them between I and W
         costs = dataclasses.replace(costs, backward=[b * (1 - weight_share) for b in costs.backward],
                                     weight=[b * weight_share for b in costs.backward])
     return simulate(pipe.schedule, costs), measured
