@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from .common.errors import PipelineError
 from .course.grade import main as grade_main
 from .predict.costs import Costs
 from .predict.simulate import simulate as run_simulation
@@ -77,12 +78,12 @@ def run(args: argparse.Namespace) -> int:
                 args.device = "auto"  # each rank takes cuda:LOCAL_RANK
             summary = launch(train_rank, nproc, args, timeout_seconds=None, wait_timeout_seconds=args.timeout_seconds,
                              backend="nccl" if gpus else "gloo", threads=None)[0]
-    except (ValueError, TypeError) as error:
+    except (ValueError, TypeError) as error:  # a usage error: exit code 2, as argparse's
         print(f"pipelab run: {error}", file=sys.stderr)
         return 2
-    except DistributedError as error:
+    except (PipelineError, DistributedError) as error:  # a failure while it ran
         print(f"pipelab run: {error}", file=sys.stderr)
-        return 1
+        return 2 if getattr(error, "usage_error", False) else 1
     finish(summary, args)
     return 0
 

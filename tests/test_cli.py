@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+import pipelab as pl
+from pipelab import cli
 from pipelab.cli import main
 
 
@@ -36,6 +38,19 @@ def test_run_explains_bad_settings(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["run", "--stages", "0"])
     assert "must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("error, code", [(ValueError("bad value"), 2), (TypeError("bad type"), 2),
+                                         (pl.PipelineError("F(stage 1, mb 0) failed"), 1),
+                                         (pl.DistributedError(1, "RuntimeError: boom"), 1),
+                                         (pl.DistributedError(0, "ValueError: bad", usage_error=True), 2)])
+def test_run_exits_2_for_usage_errors_and_1_for_failures(monkeypatch, tmp_path, capsys, error, code):
+    def fails(args):
+        raise error
+
+    monkeypatch.setattr(cli, "train_local", fails)
+    assert main(["run", "--out", str(tmp_path)]) == code
+    assert str(error) in capsys.readouterr().err
 
 
 def test_simulate_prints_grid_and_metrics(tmp_path, capsys):

@@ -54,43 +54,43 @@ def test_named_cuda_devices_with_fake_gpus(fake_gpus):
     fake_gpus(2)
     assert assign_devices("cuda", 2) == [torch.device("cuda", 0)] * 2  # a bare "cuda" means cuda:0
     assert assign_devices(["cuda:1", "cuda:0", "cpu"], 3) == [torch.device("cuda", 1), torch.device("cuda", 0), CPU]
-    with pytest.raises(PipelineError, match=r"cuda:2 was asked for, but only 2 GPU\(s\) are visible"):
+    with pytest.raises(ValueError, match=r"cuda:2 was asked for, but only 2 GPU\(s\) are visible"):
         assign_devices(["cuda:0", "cuda:2"], 2)
 
 
 def test_a_list_of_the_wrong_length():
-    with pytest.raises(PipelineError, match="devices lists 2 devices for 3 stages"):
+    with pytest.raises(ValueError, match="devices lists 2 devices for 3 stages"):
         assign_devices(["cpu", "cpu"], 3)
-    with pytest.raises(PipelineError, match="devices lists 4 devices for 3 stages"):
+    with pytest.raises(ValueError, match="devices lists 4 devices for 3 stages"):
         assign_devices(["cpu"] * 4, 3)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_cuda_without_a_gpu_says_so():
-    with pytest.raises(PipelineError, match=r"torch\.cuda\.is_available\(\) is False"):
+    with pytest.raises(ValueError, match=r"torch\.cuda\.is_available\(\) is False"):
         assign_devices("cuda", 2)
-    with pytest.raises(PipelineError, match=r"cuda:1 was asked for.*torch\.cuda\.is_available"):
+    with pytest.raises(ValueError, match=r"cuda:1 was asked for.*torch\.cuda\.is_available"):
         assign_devices(["cpu", "cuda:1"], 2)
 
 
 def test_cuda_without_a_gpu_says_so_even_where_one_exists(fake_gpus):
     fake_gpus(0)
-    with pytest.raises(PipelineError, match=r"torch\.cuda\.is_available\(\) is False.*devices='cpu'"):
+    with pytest.raises(ValueError, match=r"torch\.cuda\.is_available\(\) is False.*devices='cpu'"):
         assign_devices("cuda:0", 1)
 
 
 @pytest.mark.parametrize("name", ["tpu", "nonsense", "gpu", "cuda:x", ""])
 def test_unknown_device_names(name):
-    with pytest.raises(PipelineError, match=rf"'{name}' is not a device name.*'cpu'"):
+    with pytest.raises(ValueError, match=rf"'{name}' is not a device name.*'cpu'"):
         assign_devices(name, 2)
-    with pytest.raises(PipelineError, match=rf"'{name}' is not a device name"):
+    with pytest.raises(ValueError, match=rf"'{name}' is not a device name"):
         assign_devices(["cpu", name], 2)
 
 
 @pytest.mark.parametrize("name", ["meta", "mps", "xpu:0"])
 def test_device_types_pipelab_cannot_run_on(name):
     kind = name.split(":")[0]
-    with pytest.raises(PipelineError, match=rf"'cpu' or 'cuda' devices, not '{kind}'"):
+    with pytest.raises(ValueError, match=rf"'cpu' or 'cuda' devices, not '{kind}'"):
         assign_devices(name, 1)
 
 

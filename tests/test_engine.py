@@ -97,7 +97,7 @@ def test_bad_inputs_get_clear_errors():
     x, y = pl.models.sample_batch(model, 6)
     with pytest.raises(TypeError, match="loss_fn"):
         pl.Pipeline(model, 2, 2, "1f1b", None)
-    with pytest.raises(pl.PipelineError, match="reduction='mean'"):
+    with pytest.raises(ValueError, match="reduction='mean'"):
         pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(reduction="sum"))
     with pytest.raises(ValueError, match="n_microbatches"):
         pl.Pipeline(model, 2, 0, "1f1b", nn.MSELoss())
@@ -105,7 +105,7 @@ def test_bad_inputs_get_clear_errors():
         pl.Pipeline(model, 5, 2, "1f1b", nn.MSELoss())
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
         pl.Pipeline(model, 2, 2, "zigzag", nn.MSELoss())
-    with pytest.raises(pl.PipelineError, match="3 stages x 2 micro-batches"):
+    with pytest.raises(ValueError, match="3 stages x 2 micro-batches"):
         pl.Pipeline(model, 2, 2, pl.schedules.gpipe(3, 2), nn.MSELoss())
     broken = pl.schedules.gpipe(2, 2)
     broken.actions[1].remove(pl.Action("B", 1, 1))
@@ -128,7 +128,7 @@ def test_bad_inputs_get_clear_errors():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error shown when there is no GPU")
 def test_asking_for_cuda_without_a_gpu_says_so():
     model = pl.models.mlp(depth=4, width=8)
-    with pytest.raises(pl.PipelineError, match="no CUDA GPU"):
+    with pytest.raises(ValueError, match="no CUDA GPU"):
         pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(), devices="cuda")
 
 
@@ -164,6 +164,9 @@ def test_an_error_inside_a_stage_names_the_stage_its_blocks_the_action_and_what_
     assert text.startswith("F(stage 1, mb 0) failed on stage 1 (blocks 1..1)")
     assert "stage 1 received stage 0's output of shape (4, 32)" in text
     assert "block 1 (Linear) expects 16 features" in text
+    row = " ".join(f">>{a}<<" if str(a) == "1F0" else str(a) for a in pipe.schedule.actions[1])
+    assert text.endswith(f"\ndevice 1 runs: {row} (action 1 of 4)"), text
+    assert isinstance(caught.value, RuntimeError) and isinstance(caught.value.__cause__, RuntimeError)
 
     # ... or whose dtype differs from what the previous stage sends
     model = nn.Sequential(nn.Linear(16, 16).double(), nn.Linear(16, 4))
@@ -173,6 +176,27 @@ def test_an_error_inside_a_stage_names_the_stage_its_blocks_the_action_and_what_
         pipe.step(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 4))
     assert "stage 1 received stage 0's output of shape (4, 16) (torch.float64)" in str(caught.value)
     assert "block 1 (Linear) computes in torch.float32" in str(caught.value)
+
+
+def test_a_stage_out_of_memory_stays_an_out_of_memory_error():
+    """Wrapped with the stage's context like any failure, and still caught by `except torch.OutOfMemoryError`."""
+    class Greedy(nn.Module):
+        def forward(self, x):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+
+    pipe = pl.Pipeline(nn.Sequential(nn.Linear(4, 4), Greedy()), 2, 2, "1f1b", nn.MSELoss(), devices="cpu")
+    with pytest.raises(torch.OutOfMemoryError) as caught:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+    assert isinstance(caught.value, pl.PipelineError)
+    assert isinstance(caught.value.__cause__, torch.OutOfMemoryError) and "(simulated)" in str(caught.value.__cause__)
+    assert str(caught.value).startswith("F(stage 1, mb 0) failed on stage 1 (blocks 1..1): OutOfMemoryError:")
+
+
+def test_error_types_say_configuration_or_failure():
+    assert issubclass(pl.ScheduleError, ValueError) and not issubclass(pl.ScheduleError, pl.PipelineError)
+    assert issubclass(pl.PipelineError, RuntimeError) and not issubclass(pl.PipelineError, ValueError)
+    with pytest.raises(ValueError, match="3 stages x 2 micro-batches"):
+        pl.Pipeline(pl.models.mlp(depth=4, width=8), 2, 2, pl.schedules.gpipe(3, 2), nn.MSELoss())
 
 
 def test_checkpointing_keeps_only_stage_inputs_between_f_and_b():

@@ -27,8 +27,8 @@ def with_rows(sched: Schedule, rows) -> Schedule:
     return Schedule(sched.n_stages, sched.n_microbatches, rows)
 
 
-def test_schedule_error_is_a_pipeline_error_and_a_value_error():
-    assert issubclass(ScheduleError, PipelineError) and issubclass(PipelineError, ValueError)
+def test_schedule_error_is_a_configuration_error_not_a_failure():
+    assert issubclass(ScheduleError, ValueError) and not issubclass(ScheduleError, PipelineError)
 
 
 # --------------------------------------------------------------------------- valid schedules

@@ -110,7 +110,7 @@ def apply(block: nn.Module, plan: Any, tp_mesh, where: str) -> dict[str, torch.T
     if isinstance(block, TransformerBlock) and isinstance(plan, dict) and "qkv" in plan:
         d_model = block.proj.in_features
         if block.n_heads % tp:
-            raise PipelineError(f"{where}: tensor_parallel={tp} must divide the block's {block.n_heads} attention "
+            raise ValueError(f"{where}: tensor_parallel={tp} must divide the block's {block.n_heads} attention "
                                 "heads (each rank takes whole heads)")
         order = head_grouped_rows(d_model, tp)
         with torch.no_grad():

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from ..common.errors import PipelineError
 
 
 def assign_devices(devices, n_stages: int) -> list[torch.device]:
@@ -22,7 +21,7 @@ def assign_devices(devices, n_stages: int) -> list[torch.device]:
         chosen = [_parse(devices)] * n_stages
     elif isinstance(devices, (list, tuple)):
         if len(devices) != n_stages:
-            raise PipelineError(f"devices lists {len(devices)} devices for {n_stages} stages; give one per stage")
+            raise ValueError(f"devices lists {len(devices)} devices for {n_stages} stages; give one per stage")
         chosen = [_parse(d) for d in devices]
     else:
         raise TypeError(f"devices must be 'auto', a device name or a list of them, got {type(devices).__name__}")
@@ -35,7 +34,7 @@ def _parse(name) -> torch.device:
     try:
         device = torch.device(name)
     except (RuntimeError, TypeError) as error:
-        raise PipelineError(f"{name!r} is not a device name (try 'cpu', 'cuda' or 'cuda:0'): {error}") from None
+        raise ValueError(f"{name!r} is not a device name (try 'cpu', 'cuda' or 'cuda:0'): {error}") from None
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", 0)
     return device
@@ -45,11 +44,11 @@ def _check_available(device: torch.device) -> None:
     if device.type == "cpu":
         return
     if device.type != "cuda":
-        raise PipelineError(f"pipelab runs stages on 'cpu' or 'cuda' devices, not {device.type!r}")
+        raise ValueError(f"pipelab runs stages on 'cpu' or 'cuda' devices, not {device.type!r}")
     if not torch.cuda.is_available():
-        raise PipelineError(
+        raise ValueError(
             f"{device} was asked for, but this torch sees no CUDA GPU (torch.cuda.is_available() is False); "
             "use devices='cpu' or devices='auto'"
         )
     if device.index >= torch.cuda.device_count():
-        raise PipelineError(f"{device} was asked for, but only {torch.cuda.device_count()} GPU(s) are visible")
+        raise ValueError(f"{device} was asked for, but only {torch.cuda.device_count()} GPU(s) are visible")

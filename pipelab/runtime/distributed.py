@@ -112,9 +112,9 @@ class DistributedPipeline:
         self.hybrid = None  # the ("dp", "pp", "tp") mesh of a hybrid layout (`runtime/hybrid.py`)
         if layout is not None or tensor_parallel_plan is not None or (data_parallel, tensor_parallel) != (1, 1):
             if group is not None:
-                raise PipelineError("a hybrid layout spans the whole world (its mesh); group= is for a plain pipeline")
+                raise ValueError("a hybrid layout spans the whole world (its mesh); group= is for a plain pipeline")
             if split_method == "time":
-                raise PipelineError('split_method="time" is not supported with a hybrid layout (each pipeline would '
+                raise ValueError('split_method="time" is not supported with a hybrid layout (each pipeline would '
                                     'time its own blocks and could cut elsewhere); use "uniform", "params" or a Partition')
             self.hybrid = HybridMesh.build(resolve_layout(dist.get_world_size(), layout, data_parallel, tensor_parallel),
                                            dist.get_backend())
@@ -141,7 +141,7 @@ class DistributedPipeline:
         else:
             self.partition = split(model, self.n_stages, split_method)
         if len(self.partition) != self.n_stages:
-            raise PipelineError(f"the partition has {len(self.partition)} stages, the schedule {self.n_stages}")
+            raise ValueError(f"the partition has {len(self.partition)} stages, the schedule {self.n_stages}")
 
         device_of_stage = self.schedule.device_of_stage()
         self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
@@ -152,7 +152,7 @@ class DistributedPipeline:
                                     fused_accumulation=fused_accumulation)
         self.asynchronous = self.schedule.asynchronous
         if self.asynchronous and self.hybrid is not None:
-            raise PipelineError("an asynchronous schedule (PipeDream) updates each stage's weights inside its "
+            raise ValueError("an asynchronous schedule (PipeDream) updates each stage's weights inside its "
                                 "backwards; it does not run with tensor or data parallelism")
         self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
         self.row_orders: dict[str, torch.Tensor] = {}  # parameter name -> the row order tp_plans gave it
@@ -186,10 +186,10 @@ class DistributedPipeline:
         device = torch.device(device)
         if device.type == "cuda":
             if self.backend != "nccl":
-                raise PipelineError(f"device {device} needs the NCCL backend; this group uses {self.backend}")
+                raise ValueError(f"device {device} needs the NCCL backend; this group uses {self.backend}")
             torch.cuda.set_device(device)
         elif self.backend == "nccl":
-            raise PipelineError("the NCCL backend moves CUDA tensors only; use gloo for device='cpu'")
+            raise ValueError("the NCCL backend moves CUDA tensors only; use gloo for device='cpu'")
         return device
 
     def parameters(self) -> list[nn.Parameter]:
@@ -269,7 +269,7 @@ class DistributedPipeline:
 
         step_begin = time.perf_counter()
         with gc_paused():  # a full collection (~25 ms with torch loaded) on one rank would stall the others
-            run_actions(self.schedule.actions[self.rank], self.workers, self.transport, clock, observer)
+            run_actions(self.schedule, self.schedule.actions[self.rank], self.workers, self.transport, clock, observer)
             self.transport.finish()
         observer.close()
         table, observed = self._gather_step(self._record(clock), self._place_observed(observer, clock))

@@ -68,7 +68,7 @@ def resolve_layout(world_size: int, layout: Layout | None, data_parallel: int, t
     if (data_parallel, tensor_parallel) not in ((1, 1), (layout.dp, layout.tp)):
         raise ValueError(f"layout={layout} disagrees with data_parallel={data_parallel}, tensor_parallel={tensor_parallel}")
     if layout.world_size != world_size:
-        raise PipelineError(f"layout {layout} needs {layout.world_size} ranks, the world has {world_size}")
+        raise ValueError(f"layout {layout} needs {layout.world_size} ranks, the world has {world_size}")
     return layout
 
 

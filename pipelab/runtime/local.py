@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..common.errors import PipelineError
+from ..common.errors import failure
 from ..common.threads import check_threads, intra_op_threads
 from ..model import stage as stage_ops
 from ..model.partition import Partition, split
@@ -78,7 +78,7 @@ class Pipeline:
         self.partition = (split_method if isinstance(split_method, Partition)
                           else split(model, n_stages, split_method, sample, threads=threads))
         if len(self.partition) != n_stages:
-            raise PipelineError(f"the partition has {len(self.partition)} stages, not n_stages={n_stages}")
+            raise ValueError(f"the partition has {len(self.partition)} stages, not n_stages={n_stages}")
         self.model, self.loss_fn = model, loss_fn
         self.n_stages, self.n_microbatches = n_stages, n_microbatches
         self.schedule = resolve_schedule(schedule, n_microbatches, n_stages=n_stages)
@@ -119,8 +119,8 @@ class Pipeline:
         clock = ActionClock(self.devices)
 
         step_begin = time.perf_counter()
-        run_actions(self.order, self.workers, InProcessTransport(self.devices, self.schedule, observer), clock,
-                    observer)
+        run_actions(self.schedule, self.order, self.workers, InProcessTransport(self.devices, self.schedule, observer),
+                    clock, observer)
         wall_seconds = time.perf_counter() - step_begin
         observer.close()
 
@@ -148,7 +148,7 @@ class Pipeline:
                 if s == last:
                     out = self.loss_fn(out, to_device(targets, device))
             except Exception as error:
-                raise PipelineError(self.workers[s].explain(Action("F", s, 0), inp, error)) from error
+                raise failure(error, self.workers[s].explain(Action("F", s, 0), inp, error)) from error
             wrt = [t for t in [inp, *self.parameters[s]] if isinstance(t, torch.Tensor) and t.requires_grad]
             if wrt:
                 torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)

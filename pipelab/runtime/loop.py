@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from ..common.errors import PipelineError
+from ..common.errors import PipelineError, failure
 from ..model import stage as stage_ops
 from ..model.fused_accumulation import FusedAccumulation
 from ..schedules.action import Action, Kind
@@ -90,7 +90,7 @@ class StageWorker:
             raise
         except Exception as error:
             arrived = (self.inputs[action.microbatch] if self.is_first else message) if action.kind is Kind.F else None
-            raise PipelineError(self.explain(action, arrived, error)) from error
+            raise failure(error, self.explain(action, arrived, error)) from error
 
     def _forward(self, i: int, message: Any) -> torch.Tensor | None:
         keep = self.keep
@@ -223,22 +223,39 @@ class InProcessTransport:
             self.observer.keep(target, tensor, "received")
 
 
-def run_actions(actions: Iterable[Action], workers: dict[int, StageWorker], transport, clock,
+def run_actions(schedule: Schedule, actions: Iterable[Action], workers: dict[int, StageWorker], transport, clock,
                 observer: MemoryObserver | None = None) -> None:
-    """Run `actions` in order: receive, compute (timed by `clock`; its host window noted by `observer`), send."""
+    """Run `actions` (of `schedule`) in order: receive, compute (timed by `clock`; its host window noted by
+    `observer`), send.  A stage's failure ends with its device's list, the failing action marked."""
     for action in actions:
         worker = workers[action.stage]
         message = transport.receive(action)
         clock.begin(action, worker.device)
         if observer is not None:  # its window inside the clock's: on a CPU no change falls outside the action
             observer.begin(action, worker.device)
-        out = worker.compute(action, message)
+        try:
+            out = worker.compute(action, message)
+        except PipelineError as error:
+            error.args = (f"{error}\n{marked_list(schedule, action)}", *error.args[1:])
+            raise
         message = None  # a received gradient is used up: free it inside its action
         if observer is not None:
             observer.end(action, worker.device)
         clock.end(action, worker.device)
         transport.send(action, out)
         out = None
+
+
+def marked_list(schedule: Schedule, action: Action, around: int = 6) -> str:
+    """The list of the device that runs `action`, with it marked: ``device 1 runs: 1F0 1F1 >>1B0<< 1F2 ...``
+    (the `around` actions on either side of it; PyTorch's schedules print such a dump on a failure)."""
+    device = schedule.device_of_stage()[action.stage]
+    row = schedule.actions[device]
+    k = row.index(action)
+    cells = [f">>{a}<<" if a == action else str(a) for a in row[max(k - around, 0):k + around + 1]]
+    before = "... " if k > around else ""
+    after = " ..." if k + around + 1 < len(row) else ""
+    return f"device {device} runs: {before}{' '.join(cells)}{after} (action {k + 1} of {len(row)})"
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

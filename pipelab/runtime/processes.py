@@ -40,10 +40,11 @@ from ..common.errors import LostRankError
 
 
 class DistributedError(RuntimeError):
-    """A rank failed: `rank` is the one that failed first, `message` its own words, `details` its traceback."""
+    """A rank failed: `rank` is the one that failed first, `message` its own words, `details` its traceback;
+    `usage_error` when it raised a `ValueError` or `TypeError` (a bad argument, the same on every rank)."""
 
-    def __init__(self, rank: int | None, message: str, details: str = ""):
-        self.rank, self.message, self.details = rank, message, details
+    def __init__(self, rank: int | None, message: str, details: str = "", usage_error: bool = False):
+        self.rank, self.message, self.details, self.usage_error = rank, message, details, usage_error
         where = f"rank {rank}" if rank is not None else "a rank"
         super().__init__(f"{where} failed: {message}")
 
@@ -110,7 +111,7 @@ def _rank_main(payload: bytes, reports: str, timeout_seconds: float | None, wait
         return fn(*args)
     except BaseException as error:
         _report(reports, rank, f"{type(error).__name__}: {error}", traceback.format_exc(),
-                consequence=_is_consequence(error))
+                consequence=_is_consequence(error), usage_error=isinstance(error, (ValueError, TypeError)))
         raise
     finally:
         if watchdog is not None:
@@ -139,9 +140,9 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 
 
 def _report(reports: str, rank: int, message: str, details: str, timed_out: bool = False,
-            consequence: bool = False) -> None:
+            consequence: bool = False, usage_error: bool = False) -> None:
     record = {"rank": rank, "time": time.time(), "message": message, "details": details, "timed_out": timed_out,
-              "consequence": consequence}
+              "consequence": consequence, "usage_error": usage_error}
     # written whole, then renamed: the agent may kill this rank mid-write, and a half file must never be read;
     # one name per thread, since the watchdog and the main thread (gloo's own timeout) can report at once
     partial = Path(reports, f".rank{rank}.{threading.get_ident()}.partial")
@@ -159,7 +160,8 @@ def _first_failure(reports: Path, failed) -> DistributedError:
     records = sorted((json.loads(p.read_text()) for p in reports.glob("rank*.json")), key=lambda r: r["time"])
     causes = [r for r in records if not r["consequence"]]
     if causes:
-        return DistributedError(causes[0]["rank"], causes[0]["message"], causes[0]["details"])
+        cause = causes[0]
+        return DistributedError(cause["rank"], cause["message"], cause["details"], cause.get("usage_error", False))
     killed = {rank: f.exitcode for rank, f in failed.failures.items() if f.exitcode < 0 and f.exitcode != -signal.SIGTERM}
     if killed:
         rank, code = min(killed.items())

@@ -23,7 +23,6 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..common.errors import PipelineError
 from ..model import microbatch
 from ..model.partition import Partition
 from ..schedules import by_name, validate
@@ -47,7 +46,7 @@ def check_loss_fn(loss_fn) -> None:
     if loss_fn is None or not callable(loss_fn):
         raise TypeError("a pipeline needs loss_fn=<callable(output, target) -> mean loss of the micro-batch>")
     if getattr(loss_fn, "reduction", "mean") != "mean":
-        raise PipelineError(
+        raise ValueError(
             f"loss_fn has reduction={loss_fn.reduction!r}; pipelab weights each micro-batch's mean loss by its "
             "size, so the loss must use reduction='mean'"
         )
@@ -68,13 +67,13 @@ def resolve_schedule(schedule: str | Schedule, n_microbatches: int, *, n_stages:
     if not isinstance(schedule, Schedule):
         raise TypeError(f"schedule must be a name or a pipelab Schedule, got {type(schedule).__name__}")
     if n_stages is not None and (schedule.n_stages, schedule.n_microbatches) != (n_stages, n_microbatches):
-        raise PipelineError(f"the schedule is for {schedule.n_stages} stages x {schedule.n_microbatches} "
+        raise ValueError(f"the schedule is for {schedule.n_stages} stages x {schedule.n_microbatches} "
                             f"micro-batches, but the pipeline has {n_stages} x {n_microbatches}")
     if n_devices is not None and schedule.n_devices != n_devices:
-        raise PipelineError(f"the schedule has {schedule.n_devices} devices but the process group has "
+        raise ValueError(f"the schedule has {schedule.n_devices} devices but the process group has "
                             f"{n_devices} ranks; start one rank per device ({schedule.n_devices} processes)")
     if schedule.n_microbatches != n_microbatches:
-        raise PipelineError(f"the schedule is for {schedule.n_microbatches} micro-batches, but "
+        raise ValueError(f"the schedule is for {schedule.n_microbatches} micro-batches, but "
                             f"n_microbatches={n_microbatches}")
     return validate(schedule)
 
@@ -86,14 +85,14 @@ def make_workers(schedule: Schedule, partition: Partition, stages: list[int], lo
     stage runs I and W, a `WeightStash` on every stage of an asynchronous schedule (`optimizer` builds
     each stage's own optimizer, and is needed exactly then)."""
     if not schedule.asynchronous and optimizer is not None:
-        raise PipelineError("optimizer= is for asynchronous schedules (pipedream-async), whose stages update "
+        raise ValueError("optimizer= is for asynchronous schedules (pipedream-async), whose stages update "
                             "during the step; with this schedule, step your optimizer after pipe.step()")
     if schedule.asynchronous and (optimizer is None or not callable(optimizer)):
         raise TypeError("an asynchronous schedule updates each stage's weights during the step: pass "
                         "optimizer=<callable(params) -> torch.optim.Optimizer>, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
     splits = [kind is Kind.I for kind in schedule.gradient_kind]
     if schedule.asynchronous and any(splits):
-        raise PipelineError("an asynchronous schedule with W actions: weight stashing runs whole backwards only")
+        raise ValueError("an asynchronous schedule with W actions: weight stashing runs whole backwards only")
 
     def stash(module: nn.Module) -> WeightStash | None:
         return WeightStash(module, optimizer, schedule.update_every) if schedule.asynchronous else None
