@@ -32,7 +32,8 @@ def main() -> None:
 
     model = pl.models.mlp(depth=8, width=args.width, seed=0)
     x, y = pl.models.sample_batch(model, args.batch_size)
-    pipe = pl.Pipeline(model, 4, 8, args.schedule, nn.MSELoss(), devices=args.device)
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule=args.schedule, loss_fn=nn.MSELoss(),
+                       devices=args.device)
     pipe.step(x, y)  # first step: warm-up, not counted
     walls, ops, shortest = [], [], []
     for _ in range(args.steps):

@@ -56,7 +56,8 @@ def on_each_rank(world: int, rounds: int, steps: int) -> dict:
         batches[kind] = pl.models.sample_batch(model, MODELS[kind]["batch"], seed=1)
         for layout in pl.Layout.all_for(world):
             model = make_model(kind)
-            pipe = pl.DistributedPipeline(model, MICROBATCHES, "1f1b", pl.models.default_loss(model), layout=layout)
+            pipe = pl.DistributedPipeline(model, n_microbatches=MICROBATCHES, schedule="1f1b",
+                                          loss_fn=pl.models.default_loss(model), layout=layout)
             pipe.step(*batches[kind])  # warm-up (and the shape headers)
             with pipe.count_communication() as counter:
                 result = pipe.step(*batches[kind])

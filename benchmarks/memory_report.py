@@ -66,7 +66,8 @@ def lesson_04_setting() -> None:
     print(f"{'schedule':<18} stage {'predicted':>9} {'counted':>8} {'observed':>16} {'obs/pred':>9}   "
           f"gap at the observed peak (KiB)         outputs kept to B")
     for schedule, checkpoint in SETTINGS:
-        pipe = pl.Pipeline(model, p, m, schedule, loss_fn, devices="cpu", checkpoint=checkpoint)
+        pipe = pl.Pipeline(model, n_stages=p, n_microbatches=m, schedule=schedule, loss_fn=loss_fn, devices="cpu",
+                           checkpoint=checkpoint)
         traces = [pipe.step(x, y).trace for _ in range(5)]
         model.zero_grad(set_to_none=True)
         for worker in pipe.workers.values():
@@ -88,7 +89,7 @@ def ranks_step(schedule: str) -> tuple:
     """On every rank: two steps of lesson 04's MLP; the second's counted and observed peaks, and the gap."""
     model = pl.models.mlp(depth=8, width=256, seed=0)
     x, y = pl.models.sample_batch(model, 64)
-    pipe = pl.DistributedPipeline(model, 8, schedule, torch.nn.MSELoss())
+    pipe = pl.DistributedPipeline(model, n_microbatches=8, schedule=schedule, loss_fn=torch.nn.MSELoss())
     trace = [pipe.step(x, y).trace for _ in range(2)][-1]
     return trace.peak_memory, trace.peak_memory_observed, trace.observed_peak_parts
 
@@ -114,7 +115,8 @@ def sweep() -> None:
         model = pl.models.mlp(depth=8, width=512, seed=0)
         x, y = pl.models.sample_batch(model, m * samples)
         for schedule, checkpoint in SETTINGS:
-            pipe = pl.Pipeline(model, 4, m, schedule, loss_fn, devices="cpu", checkpoint=checkpoint)
+            pipe = pl.Pipeline(model, n_stages=4, n_microbatches=m, schedule=schedule, loss_fn=loss_fn, devices="cpu",
+                               checkpoint=checkpoint)
             trace = pipe.step(x, y).trace
             model.zero_grad(set_to_none=True)
             predicted = predicted_trace(model, pipe, x, y, samples, loss_fn, checkpoint).peak_memory
@@ -131,7 +133,8 @@ def checkpoint_time_cost() -> None:
     model = pl.models.mlp(depth=8, width=512, seed=0)
     x, y = pl.models.sample_batch(model, 8 * samples)
     plans = ("never", "always")
-    pipes = {c: pl.Pipeline(model, 4, 8, "1f1b", loss_fn, devices="cpu", checkpoint=c) for c in plans}
+    pipes = {c: pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule="1f1b", loss_fn=loss_fn, devices="cpu",
+                            checkpoint=c) for c in plans}
     runs = {c: [] for c in plans}
     for _ in range(9):  # alternate the two so that a burst of load on this shared machine hits both alike
         for c in plans:

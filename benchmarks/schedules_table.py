@@ -87,7 +87,8 @@ def distributed_steps(schedules_to_run: list[pl.Schedule], steps: int) -> list[t
     found = []
     for schedule in schedules_to_run:
         model, (x, y) = model_and_batch()
-        pipe = pl.DistributedPipeline(model, M, schedule, torch.nn.MSELoss(), optimizer=optimizer_for(schedule))
+        pipe = pl.DistributedPipeline(model, n_microbatches=M, schedule=schedule, loss_fn=torch.nn.MSELoss(),
+                                      optimizer=optimizer_for(schedule))
         pipe.step(x, y)
         bubbles, peak = [], 0
         for _ in range(steps):
@@ -107,7 +108,8 @@ def measure(schedule: pl.Schedule, x, y, steps: int, unit_bytes: float) -> tuple
     times their length, and a median per action drops those outliers.
     """
     model = pl.models.mlp(depth=8, width=WIDTH, seed=0)
-    pipe = pl.Pipeline(model, schedule.n_stages, M, schedule, torch.nn.MSELoss(), devices="cpu",
+    pipe = pl.Pipeline(model, n_stages=schedule.n_stages, n_microbatches=M, schedule=schedule,
+                       loss_fn=torch.nn.MSELoss(), devices="cpu",
                        optimizer=optimizer_for(schedule))
     traces = []
     for _ in range(steps):

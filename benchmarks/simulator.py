@@ -88,7 +88,7 @@ def prediction(rounds: int = 9, repeats: int = 3) -> float:
     model = pl.models.mlp(depth=8, width=512, seed=0)
     x, y = pl.models.sample_batch(model, 8 * 32)
     loss_fn = torch.nn.MSELoss()
-    pipe = pl.Pipeline(model, 4, 8, "1f1b", loss_fn, devices="cpu")
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule="1f1b", loss_fn=loss_fn, devices="cpu")
     pipe.step(x, y)
     errors = []
     for _ in range(repeats):

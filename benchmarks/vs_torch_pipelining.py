@@ -167,9 +167,10 @@ def on_rank(p: int, rounds: int, steps: int, batch: int = BATCH) -> dict:
 
     # pipelab: one model (its other ranks' blocks go to "meta"), one pipeline per schedule
     model_pl = pl.models.mlp(depth=DEPTH, width=WIDTH, seed=0)
-    pipes = {s: pl.DistributedPipeline(model_pl, M, s, loss_fn) for s in SCHEDULES}
+    pipes = {s: pl.DistributedPipeline(model_pl, n_microbatches=M, schedule=s, loss_fn=loss_fn) for s in SCHEDULES}
     # the same pipelines with autograd's own gradient accumulation: what the fused accumulation is worth
-    plain = {s: pl.DistributedPipeline(model_pl, M, s, loss_fn, fused_accumulation=False) for s in SCHEDULES}
+    plain = {s: pl.DistributedPipeline(model_pl, n_microbatches=M, schedule=s, loss_fn=loss_fn,
+                                       fused_accumulation=False) for s in SCHEDULES}
     # PyTorch: the same blocks from the same seed, static shapes (no metadata exchange)
     model_pt = pl.models.mlp(depth=DEPTH, width=WIDTH, seed=0)
     a, b = bounds[rank]

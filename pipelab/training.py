@@ -94,7 +94,8 @@ def _train(pipe, parameters, inputs, targets, args, show_progress: bool) -> tupl
 
 def train_local(args) -> RunSummary:
     model, inputs, targets = _model_and_batch(args)
-    pipe = Pipeline(model, args.stages, args.microbatches, args.schedule, models.default_loss(model),
+    pipe = Pipeline(model, n_stages=args.stages, n_microbatches=args.microbatches, schedule=args.schedule,
+                    loss_fn=models.default_loss(model),
                        devices=args.device, split_method=args.split, sample=inputs)
     losses, seconds, trace = _train(pipe, model.parameters(), inputs, targets, args, show_progress=True)
     return RunSummary(pipe.schedule.name, pipe.n_stages, pipe.n_microbatches, pipe.partition.bounds,
@@ -105,8 +106,9 @@ def train_rank(args) -> RunSummary:
     """Train on this rank of the current process group (rank 0 shows the progress bar)."""
     model, inputs, targets = _model_and_batch(args)
     device = None if args.device == "auto" else args.device
-    pipe = DistributedPipeline(model, args.microbatches, _schedule(args), models.default_loss(model),
-                                  device=device, split_method=args.split, sample=inputs)
+    pipe = DistributedPipeline(model, n_microbatches=args.microbatches, schedule=_schedule(args),
+                               loss_fn=models.default_loss(model),
+                                  devices=device, split_method=args.split, sample=inputs)
     losses, seconds, trace = _train(pipe, pipe.parameters(), inputs, targets, args,
                                     show_progress=dist.get_rank() == 0)
     return RunSummary(pipe.schedule.name, pipe.n_stages, pipe.n_microbatches, pipe.partition.bounds,

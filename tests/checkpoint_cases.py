@@ -41,7 +41,8 @@ def train(pipe, optimizer, steps) -> list[float]:
 def fresh(schedule: str, group=None, depth: int = 8):
     """A pipeline on another seed, with an Adam of another lr: whatever matches afterwards came from the checkpoint."""
     model = make_model(seed=99, depth=depth)
-    pipe = pl.DistributedPipeline(model, MICROBATCHES, schedule, torch.nn.MSELoss(), group=group)
+    pipe = pl.DistributedPipeline(model, n_microbatches=MICROBATCHES, schedule=schedule, loss_fn=torch.nn.MSELoss(),
+                                  group=group)
     return pipe, torch.optim.Adam(pipe.parameters(), lr=5.0)
 
 
@@ -51,12 +52,14 @@ def save_resume_and_reshard(path: str, model_only_path: str) -> dict:
     pair = dist.new_group([0, 1])  # every rank takes part in creating it
     if dist.get_rank() < 2:
         model = make_model()  # the reference: STEPS + 2 steps without interruption
-        pipe = pl.DistributedPipeline(model, MICROBATCHES, "1f1b", torch.nn.MSELoss(), group=pair)
+        pipe = pl.DistributedPipeline(model, n_microbatches=MICROBATCHES, schedule="1f1b", loss_fn=torch.nn.MSELoss(),
+                                      group=pair)
         optimizer = torch.optim.Adam(pipe.parameters(), lr=LR)
         found["uninterrupted"] = train(pipe, optimizer, data)
 
         model = make_model()  # an independent run, saved after STEPS steps
-        pipe = pl.DistributedPipeline(model, MICROBATCHES, "1f1b", torch.nn.MSELoss(), group=pair)
+        pipe = pl.DistributedPipeline(model, n_microbatches=MICROBATCHES, schedule="1f1b", loss_fn=torch.nn.MSELoss(),
+                                      group=pair)
         optimizer = torch.optim.Adam(pipe.parameters(), lr=LR)
         train(pipe, optimizer, data[:STEPS])
         checkpoint.save(pipe, path, optimizer)

@@ -21,7 +21,8 @@ def run_cases(cases: list[tuple]) -> list[dict]:
         model = make_model(kind)
         x, y = pl.models.sample_batch(model, BATCH, seed=2)
         asynchronous = schedule.asynchronous
-        pipe = pl.DistributedPipeline(model, schedule.n_microbatches, schedule, pl.models.default_loss(model),
+        pipe = pl.DistributedPipeline(model, n_microbatches=schedule.n_microbatches, schedule=schedule,
+                                      loss_fn=pl.models.default_loss(model),
                                       checkpoint=checkpoint, optimizer=momentum_sgd if asynchronous else None)
         result = pipe.step(x, y)
         found.append({

@@ -40,7 +40,8 @@ def run_cases(cases: list[tuple]) -> list[dict]:
     for kind, schedule, n_microbatches in cases:
         model = make_model(kind)
         x, y = pl.models.sample_batch(model, BATCH, seed=2)
-        pipe = pl.DistributedPipeline(model, n_microbatches, schedule, pl.models.default_loss(model))
+        pipe = pl.DistributedPipeline(model, n_microbatches=n_microbatches, schedule=schedule,
+                                      loss_fn=pl.models.default_loss(model))
         result = pipe.step(x, y)
         found.append({
             "loss": result.loss,
@@ -58,11 +59,12 @@ def bad_launch(kind_of_mistake: str) -> str:
     loss_fn = torch.nn.MSELoss()
     try:
         if kind_of_mistake == "world size":
-            pl.DistributedPipeline(model, 4, pl.schedules.one_f_one_b(3, 4), loss_fn)
+            pl.DistributedPipeline(model, n_microbatches=4, schedule=pl.schedules.one_f_one_b(3, 4), loss_fn=loss_fn)
         elif kind_of_mistake == "other m":
-            pl.DistributedPipeline(model, 4, pl.schedules.gpipe(dist.get_world_size(), 8), loss_fn)
+            pl.DistributedPipeline(model, n_microbatches=4, schedule=pl.schedules.gpipe(dist.get_world_size(), 8),
+                                   loss_fn=loss_fn)
         elif kind_of_mistake == "m < 1":
-            pl.DistributedPipeline(model, 0, "1f1b", loss_fn)
+            pl.DistributedPipeline(model, n_microbatches=0, schedule="1f1b", loss_fn=loss_fn)
     except (ValueError, TypeError) as error:
         return f"{type(error).__name__}: {error}"
     return "no error"
@@ -70,14 +72,14 @@ def bad_launch(kind_of_mistake: str) -> str:
 
 def wrong_feature_size() -> None:
     model = make_model("mlp")
-    pipe = pl.DistributedPipeline(model, 2, "1f1b", torch.nn.MSELoss())
+    pipe = pl.DistributedPipeline(model, n_microbatches=2, schedule="1f1b", loss_fn=torch.nn.MSELoss())
     pipe.step(torch.randn(8, 7), torch.randn(8, 16))
 
 
 def one_rank_fails(failing_rank: int, how: str) -> None:
     """One good step, then `failing_rank` raises or kills itself ("raise" / "kill"); the others wait for it."""
     model = make_model("mlp")
-    pipe = pl.DistributedPipeline(model, 4, "1f1b", torch.nn.MSELoss())
+    pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     pipe.step(x, y)
     if dist.get_rank() == failing_rank:
@@ -102,7 +104,8 @@ def nccl_step(kind: str, schedule: str, n_microbatches: int) -> dict:
     """One step on cuda:LOCAL_RANK over NCCL; gradients brought back to the CPU."""
     model = make_model(kind)
     x, y = pl.models.sample_batch(model, BATCH, seed=2)
-    pipe = pl.DistributedPipeline(model, n_microbatches, schedule, pl.models.default_loss(model))
+    pipe = pl.DistributedPipeline(model, n_microbatches=n_microbatches, schedule=schedule,
+                                  loss_fn=pl.models.default_loss(model))
     result = pipe.step(x, y)
     return {"loss": result.loss, "device": str(pipe.device), "source": result.trace.source,
             "grads": {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}}

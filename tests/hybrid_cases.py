@@ -23,7 +23,8 @@ def run_layouts(cases: list[tuple], count: bool = False) -> list[dict]:
     for kind, shape, schedule, n_microbatches in cases:
         model = make_model(kind)
         x, y = pl.models.sample_batch(model, BATCH, seed=2)
-        pipe = pl.DistributedPipeline(model, n_microbatches, schedule, pl.models.default_loss(model),
+        pipe = pl.DistributedPipeline(model, n_microbatches=n_microbatches, schedule=schedule,
+                                      loss_fn=pl.models.default_loss(model),
                                       layout=Layout(*shape))
         pipe.step(x, y)  # the first step also sends the shape headers
         for p in pipe.parameters():

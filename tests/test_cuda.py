@@ -26,7 +26,8 @@ def test_cuda_step_equals_single_device_step(devices, schedule):
     ref_loss, ref_grads = reference(model, x, y, pl.models.lm_loss)  # on the CPU
     if devices == "mixed":
         devices = ["cuda:0", "cpu", "cuda:0", "cpu"]
-    pipe = pl.Pipeline(model, 4, 6, schedule, pl.models.lm_loss, devices=devices)
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=6, schedule=schedule, loss_fn=pl.models.lm_loss,
+                       devices=devices)
     result = pipe.step(x, y)
     assert result.loss == pytest.approx(ref_loss, rel=1e-4)
     for p, g in zip(model.parameters(), ref_grads):

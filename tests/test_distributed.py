@@ -213,4 +213,4 @@ def test_launch_checks_its_arguments():
 
 def test_outside_a_process_group_the_pipeline_says_how_to_start_one():
     with pytest.raises(pl.PipelineError, match="torchrun"):
-        pl.DistributedPipeline(make_model("mlp"), 4, "1f1b", torch.nn.MSELoss())
+        pl.DistributedPipeline(make_model("mlp"), n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())

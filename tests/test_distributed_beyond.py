@@ -50,7 +50,8 @@ def reference(kind):
 def local_counted_peaks(kind, schedule, checkpoint):
     model = make_model(kind)
     x, y = pl.models.sample_batch(model, BATCH, seed=2)
-    pipe = pl.Pipeline(model, schedule.n_stages, schedule.n_microbatches, schedule, pl.models.default_loss(model),
+    pipe = pl.Pipeline(model, n_stages=schedule.n_stages, n_microbatches=schedule.n_microbatches, schedule=schedule,
+                       loss_fn=pl.models.default_loss(model),
                        devices="cpu", checkpoint=checkpoint)
     return pipe.step(x, y).trace.peak_memory
 

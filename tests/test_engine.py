@@ -1,5 +1,7 @@
 """The local engine's trace, memory accounting and error messages."""
 
+import inspect
+
 import pytest
 import torch
 from torch import nn
@@ -14,7 +16,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def run(schedule="1f1b", n_stages=4, n_microbatches=8, batch=32, width=32):
     model = pl.models.mlp(depth=8, width=width, seed=0)
     x, y = pl.models.sample_batch(model, batch)
-    pipe = pl.Pipeline(model, n_stages, n_microbatches, schedule, nn.MSELoss(), devices="cpu")
+    pipe = pl.Pipeline(model, n_stages=n_stages, n_microbatches=n_microbatches, schedule=schedule,
+                       loss_fn=nn.MSELoss(), devices="cpu")
     return pipe, pipe.step(x, y)
 
 
@@ -75,7 +78,8 @@ def test_memory_excludes_parameters():
 
     model = nn.Sequential(SquaredWeight(), nn.Linear(8, 8))
     x, y = torch.randn(4, 8), torch.randn(4, 8)
-    trace = pl.Pipeline(model, 2, 2, "gpipe", nn.MSELoss(), devices="cpu").step(x, y).trace
+    trace = pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="gpipe", loss_fn=nn.MSELoss(),
+                        devices="cpu").step(x, y).trace
     assert trace.peak_memory[0] == 0
     assert trace.peak_memory[1] > 0  # stage 1 saves its input (and MSE its operands)
 
@@ -96,31 +100,31 @@ def test_bad_inputs_get_clear_errors():
     model = pl.models.mlp(depth=4, width=8)
     x, y = pl.models.sample_batch(model, 6)
     with pytest.raises(TypeError, match="loss_fn"):
-        pl.Pipeline(model, 2, 2, "1f1b", None)
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="1f1b", loss_fn=None)
     with pytest.raises(ValueError, match="reduction='mean'"):
-        pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(reduction="sum"))
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="1f1b", loss_fn=nn.MSELoss(reduction="sum"))
     with pytest.raises(ValueError, match="n_microbatches"):
-        pl.Pipeline(model, 2, 0, "1f1b", nn.MSELoss())
+        pl.Pipeline(model, n_stages=2, n_microbatches=0, schedule="1f1b", loss_fn=nn.MSELoss())
     with pytest.raises(ValueError, match="cannot cut 4 blocks into 5 stages"):
-        pl.Pipeline(model, 5, 2, "1f1b", nn.MSELoss())
+        pl.Pipeline(model, n_stages=5, n_microbatches=2, schedule="1f1b", loss_fn=nn.MSELoss())
     with pytest.raises(ValueError, match="unknown schedule 'zigzag'"):
-        pl.Pipeline(model, 2, 2, "zigzag", nn.MSELoss())
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="zigzag", loss_fn=nn.MSELoss())
     with pytest.raises(ValueError, match="3 stages x 2 micro-batches"):
-        pl.Pipeline(model, 2, 2, pl.schedules.gpipe(3, 2), nn.MSELoss())
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule=pl.schedules.gpipe(3, 2), loss_fn=nn.MSELoss())
     broken = pl.schedules.gpipe(2, 2)
     broken.actions[1].remove(pl.Action("B", 1, 1))
     with pytest.raises(pl.ScheduleError, match="1B1"):
-        pl.Pipeline(model, 2, 2, broken, nn.MSELoss())
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule=broken, loss_fn=nn.MSELoss())
     split_backward = pl.schedules.gpipe(2, 1)
     split_backward.actions[1].append(pl.Action("W", 1, 0))  # a stage that splits its backward needs I and W
     split_backward = pl.Schedule(2, 1, split_backward.actions)  # its 1B0 is read as 1I0
     split_backward.actions[1].remove(pl.Action("W", 1, 0))
     with pytest.raises(pl.ScheduleError, match="missing action 1W0"):
-        pl.Pipeline(model, 2, 1, split_backward, nn.MSELoss())
-    pipe = pl.Pipeline(model, 2, 8, "1f1b", nn.MSELoss(), devices="cpu")
+        pl.Pipeline(model, n_stages=2, n_microbatches=1, schedule=split_backward, loss_fn=nn.MSELoss())
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=8, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cpu")
     with pytest.raises(ValueError, match="batch of 6 samples into 8"):
         pipe.step(x, y)
-    pipe = pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(), devices="cpu")
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cpu")
     with pytest.raises(ValueError, match="targets hold 5"):
         pipe.step(x, y[:5])
 
@@ -129,7 +133,7 @@ def test_bad_inputs_get_clear_errors():
 def test_asking_for_cuda_without_a_gpu_says_so():
     model = pl.models.mlp(depth=4, width=8)
     with pytest.raises(ValueError, match="no CUDA GPU"):
-        pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(), devices="cuda")
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cuda")
 
 
 def test_a_stage_that_returns_a_tuple_is_refused_clearly():
@@ -138,7 +142,7 @@ def test_a_stage_that_returns_a_tuple_is_refused_clearly():
             return x, x
 
     model = nn.Sequential(Pair(), nn.Identity())
-    pipe = pl.Pipeline(model, 2, 1, "gpipe", nn.MSELoss(), devices="cpu")
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=1, schedule="gpipe", loss_fn=nn.MSELoss(), devices="cpu")
     with pytest.raises(pl.PipelineError, match=r"F\(stage 0, mb 0\) failed on stage 0 \(blocks 0..0\): "
                        "TypeError: a stage returned tuple; pipelab passes one tensor between stages"):
         pipe.step(torch.randn(2, 3), torch.randn(2, 3))
@@ -147,7 +151,7 @@ def test_a_stage_that_returns_a_tuple_is_refused_clearly():
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 def test_an_error_inside_a_stage_names_the_stage_its_blocks_the_action_and_what_the_block_expected(schedule):
     model = pl.models.mlp(depth=8, width=16, seed=0)
-    pipe = pl.Pipeline(model, 4, 2, schedule, nn.MSELoss(), devices="cpu")
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=2, schedule=schedule, loss_fn=nn.MSELoss(), devices="cpu")
     with pytest.raises(pl.PipelineError) as caught:
         pipe.step(torch.randn(8, 7), torch.randn(8, 16))
     text = str(caught.value)
@@ -156,8 +160,8 @@ def test_an_error_inside_a_stage_names_the_stage_its_blocks_the_action_and_what_
 
     # a stage whose input does not fit what the previous stage sends: both stages and both sizes
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(16, 4))
-    pipe = pl.Pipeline(model, 2, 2, schedule, nn.MSELoss(), devices="cpu")
-    pipe._warm = True  # the failure as the step itself meets it (the warm-up reports it the same way)
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule=schedule, loss_fn=nn.MSELoss(), devices="cpu",
+                       warm_up=False)  # the failure as the step itself meets it (the warm-up reports it the same way)
     with pytest.raises(pl.PipelineError) as caught:
         pipe.step(torch.randn(8, 16), torch.randn(8, 4))
     text = str(caught.value)
@@ -170,12 +174,26 @@ def test_an_error_inside_a_stage_names_the_stage_its_blocks_the_action_and_what_
 
     # ... or whose dtype differs from what the previous stage sends
     model = nn.Sequential(nn.Linear(16, 16).double(), nn.Linear(16, 4))
-    pipe = pl.Pipeline(model, 2, 2, schedule, nn.MSELoss(), devices="cpu")
-    pipe._warm = True
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule=schedule, loss_fn=nn.MSELoss(), devices="cpu",
+                       warm_up=False)
     with pytest.raises(pl.PipelineError) as caught:
         pipe.step(torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 4))
     assert "stage 1 received stage 0's output of shape (4, 16) (torch.float64)" in str(caught.value)
     assert "block 1 (Linear) computes in torch.float32" in str(caught.value)
+
+
+def test_both_engines_take_keywords_with_the_same_names_in_the_same_order():
+    """A call moved from one engine to the other cannot misroute an argument by its position."""
+    local = inspect.signature(pl.Pipeline).parameters
+    distributed = inspect.signature(pl.DistributedPipeline).parameters
+    for parameters in (local, distributed):
+        assert all(p.kind is p.KEYWORD_ONLY for name, p in parameters.items() if name != "model")
+    shared = [name for name in local if name in distributed]
+    assert shared == [name for name in distributed if name in local]
+    assert shared == ["model", "n_microbatches", "schedule", "loss_fn", "devices", "split_method", "sample",
+                      "checkpoint", "threads", "optimizer", "fused_accumulation"]
+    with pytest.raises(TypeError, match="positional"):
+        pl.Pipeline(pl.models.mlp(depth=2, width=4), 2, 2)
 
 
 def test_a_stage_out_of_memory_stays_an_out_of_memory_error():
@@ -184,7 +202,8 @@ def test_a_stage_out_of_memory_stays_an_out_of_memory_error():
         def forward(self, x):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
 
-    pipe = pl.Pipeline(nn.Sequential(nn.Linear(4, 4), Greedy()), 2, 2, "1f1b", nn.MSELoss(), devices="cpu")
+    pipe = pl.Pipeline(nn.Sequential(nn.Linear(4, 4), Greedy()), n_stages=2, n_microbatches=2, schedule="1f1b",
+                       loss_fn=nn.MSELoss(), devices="cpu")
     with pytest.raises(torch.OutOfMemoryError) as caught:
         pipe.step(torch.randn(4, 4), torch.randn(4, 4))
     assert isinstance(caught.value, pl.PipelineError)
@@ -196,15 +215,18 @@ def test_error_types_say_configuration_or_failure():
     assert issubclass(pl.ScheduleError, ValueError) and not issubclass(pl.ScheduleError, pl.PipelineError)
     assert issubclass(pl.PipelineError, RuntimeError) and not issubclass(pl.PipelineError, ValueError)
     with pytest.raises(ValueError, match="3 stages x 2 micro-batches"):
-        pl.Pipeline(pl.models.mlp(depth=4, width=8), 2, 2, pl.schedules.gpipe(3, 2), nn.MSELoss())
+        pl.Pipeline(pl.models.mlp(depth=4, width=8), n_stages=2, n_microbatches=2, schedule=pl.schedules.gpipe(3, 2),
+                    loss_fn=nn.MSELoss())
 
 
 def test_checkpointing_keeps_only_stage_inputs_between_f_and_b():
     model = pl.models.mlp(depth=8, width=32, seed=0)
     x, y = pl.models.sample_batch(model, 32)
-    plain = pl.Pipeline(model, 4, 8, "1f1b", nn.MSELoss(), devices="cpu").step(x, y).trace
+    plain = pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule="1f1b", loss_fn=nn.MSELoss(),
+                        devices="cpu").step(x, y).trace
     model.zero_grad()
-    pipe = pl.Pipeline(model, 4, 8, "1f1b", nn.MSELoss(), devices="cpu", checkpoint="always")
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cpu",
+                       checkpoint="always")
     ckpt = pipe.step(x, y).trace
     input_bytes = 4 * 32 * 4  # one micro-batch of 4 samples x 32 features, fp32
     full = 4 * input_bytes  # stage 0 saves two Linear inputs and two GELU inputs per micro-batch
@@ -221,8 +243,8 @@ def test_checkpoint_recompute_replays_the_random_state():
     grads = []
     for checkpoint in ("never", "always"):
         model.zero_grad(set_to_none=True)
-        pipe = pl.Pipeline(model, 3, 4, "1f1b", nn.MSELoss(), devices="cpu", checkpoint=checkpoint)
-        pipe._warm = True  # no warm-up: keep the random stream identical between the two runs
+        pipe = pl.Pipeline(model, n_stages=3, n_microbatches=4, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cpu",
+                           checkpoint=checkpoint, warm_up=False)  # keep the random stream identical between the runs
         torch.manual_seed(0)
         pipe.step(x, y)
         grads.append([p.grad.clone() for p in model.parameters()])
@@ -233,9 +255,9 @@ def test_checkpoint_recompute_replays_the_random_state():
 def test_checkpoint_option_is_checked():
     model = pl.models.mlp(depth=4, width=8)
     with pytest.raises(ValueError, match="checkpoint must be one of"):
-        pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(), checkpoint="sometimes")
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="1f1b", loss_fn=nn.MSELoss(), checkpoint="sometimes")
     with pytest.raises(ValueError, match="one boolean per stage"):
-        pl.Pipeline(model, 2, 2, "1f1b", nn.MSELoss(), checkpoint=[True])
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="1f1b", loss_fn=nn.MSELoss(), checkpoint=[True])
 
 
 @pytest.mark.parametrize("kind", ["mlp", "gpt"])
@@ -251,5 +273,6 @@ def test_stage0_peak_gpipe_over_1f1b_is_m_over_p(kind, n_microbatches):
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
         model.zero_grad(set_to_none=True)
-        peaks[schedule] = pl.Pipeline(model, 4, n_microbatches, schedule, loss_fn, devices="cpu").step(x, y).trace.peak_memory[0]
+        peaks[schedule] = pl.Pipeline(model, n_stages=4, n_microbatches=n_microbatches, schedule=schedule,
+                                      loss_fn=loss_fn, devices="cpu").step(x, y).trace.peak_memory[0]
     assert peaks["gpipe"] / peaks["1f1b"] == pytest.approx(n_microbatches / 4, rel=0.10)

@@ -41,7 +41,8 @@ def reference(model, x, y, loss_fn):
 
 def assert_step_matches(model, schedule, x, y, loss_fn, where, checkpoint="never"):
     ref_loss, ref_grads = reference(model, x, y, loss_fn)
-    pipe = pl.Pipeline(model, schedule.n_stages, schedule.n_microbatches, schedule, loss_fn, devices="cpu",
+    pipe = pl.Pipeline(model, n_stages=schedule.n_stages, n_microbatches=schedule.n_microbatches, schedule=schedule,
+                       loss_fn=loss_fn, devices="cpu",
                        checkpoint=checkpoint)
     result = pipe.step(x, y)
     torch.testing.assert_close(torch.tensor(result.loss, dtype=ref_loss.dtype), ref_loss, **TOLERANCE,
@@ -147,7 +148,8 @@ def test_split_backward_computes_no_gradient_twice(kind):
         x, y = pl.models.sample_batch(model, BATCH, seed=2)
         # autograd's own accumulation for 1F1B: the reference is a plain whole backward (the fused one runs
         # addmm_ instead of mm + add_, tests/test_fused_accumulation.py); a split backward never fuses
-        pipe = pl.Pipeline(model, p, m, sched, pl.models.default_loss(model), devices="cpu", fused_accumulation=False)
+        pipe = pl.Pipeline(model, n_stages=p, n_microbatches=m, schedule=sched, loss_fn=pl.models.default_loss(model),
+                           devices="cpu", fused_accumulation=False)
         pipe.step(x, y)  # the first step also warms up (runs one plain backward)
         model.zero_grad(set_to_none=True)
         with KernelCount() as counted:
@@ -182,7 +184,8 @@ def level_at(trace, device, what, t):
 def test_observed_memory_between_b_and_w_by_hand():
     x_, h_, o_ = N * IN * FP32, N * HIDDEN * FP32, N * OUT * FP32
     x, y = torch.randn(N, IN), torch.randn(N, OUT)
-    pipe = pl.Pipeline(two_stage_model(), 2, 1, schedules.zero_bubble_h1(2, 1), nn.MSELoss(), devices="cpu")
+    pipe = pl.Pipeline(two_stage_model(), n_stages=2, n_microbatches=1, schedule=schedules.zero_bubble_h1(2, 1),
+                       loss_fn=nn.MSELoss(), devices="cpu")
     trace = pipe.step(x, y).trace
     # counted: stage 0 saves x and Z (GELU's input); stage 1 its input h, its output and the target
     assert trace.peak_memory == [x_ + h_, h_ + o_ + o_]
@@ -207,7 +210,8 @@ def test_observed_holds_what_autograd_saved_until_w(kind):
     model = make_model(kind, 8)
     x, y = pl.models.sample_batch(model, 16)
     for checkpoint in ("never", "except_last"):
-        pipe = pl.Pipeline(model, p, m, schedules.zero_bubble_h1(p, m), pl.models.default_loss(model),
+        pipe = pl.Pipeline(model, n_stages=p, n_microbatches=m, schedule=schedules.zero_bubble_h1(p, m),
+                           loss_fn=pl.models.default_loss(model),
                            devices="cpu", checkpoint=checkpoint)
         trace = pipe.step(x, y).trace
         model.zero_grad(set_to_none=True)

@@ -49,7 +49,8 @@ def test_pipeline_equals_single_device_step(kind, schedule, n_stages):
     ref_loss, ref_grads = reference(model, x, y, loss_fn)
     for n_microbatches in range(1, 17):
         model.zero_grad(set_to_none=True)
-        pipe = pl.Pipeline(model, n_stages, n_microbatches, schedule, loss_fn, devices="cpu")
+        pipe = pl.Pipeline(model, n_stages=n_stages, n_microbatches=n_microbatches, schedule=schedule,
+                           loss_fn=loss_fn, devices="cpu")
         result = pipe.step(x, y)
         assert_matches(model, result, ref_loss, ref_grads, f"{kind} {schedule} p={n_stages} m={n_microbatches}")
         assert len(result.trace.events) == 2 * n_stages * n_microbatches
@@ -67,7 +68,8 @@ def test_hand_written_schedule_gives_the_same_gradients():
         device 2 | .  .  F0 F1 F2 .  B2 B1 B0
         device 3 | .  .  .  F0 F1 F2 B2 B1 B0
     """)
-    result = pl.Pipeline(model, 4, 3, schedule, loss_fn, devices="cpu").step(x, y)
+    result = pl.Pipeline(model, n_stages=4, n_microbatches=3, schedule=schedule, loss_fn=loss_fn,
+                         devices="cpu").step(x, y)
     assert_matches(model, result, ref_loss, ref_grads, "hand-written schedule")
 
 
@@ -76,7 +78,7 @@ def test_gradients_accumulate_across_steps_like_backward():
     loss_fn = torch.nn.MSELoss()
     x, y = pl.models.sample_batch(model, 12)
     _, ref_grads = reference(model, x, y, loss_fn)
-    pipe = pl.Pipeline(model, 4, 4, "1f1b", loss_fn, devices="cpu")
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=4, schedule="1f1b", loss_fn=loss_fn, devices="cpu")
     pipe.step(x, y)
     pipe.step(x, y)
     for p, g in zip(model.parameters(), ref_grads):
@@ -87,7 +89,7 @@ def test_an_optimizer_over_model_parameters_just_works():
     model, twin = make_model("gpt"), make_model("gpt")
     loss_fn = pl.models.lm_loss
     x, y = pl.models.sample_batch(model, 10)
-    pipe = pl.Pipeline(model, 3, 5, "gpipe", loss_fn, devices="cpu")
+    pipe = pl.Pipeline(model, n_stages=3, n_microbatches=5, schedule="gpipe", loss_fn=loss_fn, devices="cpu")
     optimizer, twin_optimizer = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
     for _ in range(3):
         optimizer.zero_grad()
@@ -106,7 +108,8 @@ def test_other_splits_are_exact_too(split_method):
     loss_fn = pl.models.lm_loss
     x, y = pl.models.sample_batch(model, 9)
     ref_loss, ref_grads = reference(model, x, y, loss_fn)
-    pipe = pl.Pipeline(model, 3, 4, "1f1b", loss_fn, devices="cpu", split_method=split_method, sample=x)
+    pipe = pl.Pipeline(model, n_stages=3, n_microbatches=4, schedule="1f1b", loss_fn=loss_fn, devices="cpu",
+                       split_method=split_method, sample=x)
     assert_matches(model, pipe.step(x, y), ref_loss, ref_grads, split_method)
 
 
@@ -122,7 +125,8 @@ def test_activation_checkpointing_keeps_gradients_exact(kind, schedule, checkpoi
     for n_stages in stage_counts:
         for n_microbatches in (1, 5, 16):
             model.zero_grad(set_to_none=True)
-            pipe = pl.Pipeline(model, n_stages, n_microbatches, schedule, loss_fn, devices="cpu",
+            pipe = pl.Pipeline(model, n_stages=n_stages, n_microbatches=n_microbatches, schedule=schedule,
+                               loss_fn=loss_fn, devices="cpu",
                                checkpoint=checkpoint)
             result = pipe.step(x, y)
             assert_matches(model, result, ref_loss, ref_grads,

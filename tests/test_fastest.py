@@ -36,7 +36,7 @@ def test_gradients_are_one_steps_not_the_sum_of_the_repeats():
     loss_fn = pl.models.default_loss(model)
     x, y = pl.models.sample_batch(model, batch_size=8)
     _, reference = pl.single_device_gradients(model, x, y, loss_fn)
-    pipe = pl.Pipeline(model, 2, 4, "1f1b", loss_fn, devices="cpu")
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=4, schedule="1f1b", loss_fn=loss_fn, devices="cpu")
     trace = fastest_step(pipe, x, y, repeats=3)
     assert trace.n_stages == 2 and trace.n_microbatches == 4
     assert pl.max_gradient_difference(model, reference) < 1e-6

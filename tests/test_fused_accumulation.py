@@ -126,7 +126,8 @@ def test_pipeline_equals_the_single_device_step_with_and_without_fusion(schedule
     reference = _grads(model)
     for fused in (True, False):
         model.zero_grad(set_to_none=True)
-        pipe = pl.Pipeline(model, 2, 4, schedule, loss_fn, devices="cpu", checkpoint=checkpoint,
+        pipe = pl.Pipeline(model, n_stages=2, n_microbatches=4, schedule=schedule, loss_fn=loss_fn, devices="cpu",
+                           checkpoint=checkpoint,
                            fused_accumulation=fused)
         calls.clear()
         pipe.step(x, y)
@@ -138,3 +139,26 @@ def test_pipeline_equals_the_single_device_step_with_and_without_fusion(schedule
         assert grads.keys() == reference.keys()
         for name in reference:
             torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_two_steps_without_zero_grad_add_up_at_the_real_threshold(fused):
+    """Two steps without `zero_grad` leave the sum of their gradients, as `loss.backward()` twice does, with
+    weights of 512 x 512, where the engines really fuse (not a lowered threshold): a fusion that overwrote
+    `.grad` on a step's first backward would keep only the second step's."""
+    loss_fn = nn.MSELoss()
+    model = pl.models.mlp(depth=2, width=512, seed=0)
+    x, y = pl.models.sample_batch(model, 8, seed=1)
+    (2 * loss_fn(model(x), y)).backward()  # two identical steps: twice one step's gradient
+    reference = _grads(model)
+    model.zero_grad(set_to_none=True)
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="1f1b", loss_fn=loss_fn, devices="cpu",
+                       fused_accumulation=fused)
+    fusing = [len(worker.fusion.linears) if worker.fusion else 0 for worker in pipe.workers.values()]
+    assert fusing == ([1, 1] if fused else [0, 0])  # one Linear(512, 512) per stage
+    pipe.step(x, y)
+    pipe.step(x, y)
+    grads = _grads(model)
+    assert grads.keys() == reference.keys()
+    for name in reference:
+        torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-5)

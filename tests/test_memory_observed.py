@@ -93,7 +93,8 @@ def two_stage_model() -> nn.Sequential:
 
 def one_step(model, free_outputs=True, schedule="gpipe", n_microbatches=1, checkpoint="never"):
     x, y = torch.randn(N * n_microbatches, IN), torch.randn(N * n_microbatches, OUT)
-    pipe = pl.Pipeline(model, 2, n_microbatches, schedule, nn.MSELoss(), devices="cpu", checkpoint=checkpoint)
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=n_microbatches, schedule=schedule, loss_fn=nn.MSELoss(),
+                       devices="cpu", checkpoint=checkpoint)
     for worker in pipe.workers.values():
         worker.free_outputs = free_outputs
     return pipe.step(x, y).trace
@@ -124,7 +125,7 @@ def test_freeing_outputs_early_lowers_the_observed_peak_by_the_output_and_keeps_
     peaks, grads = {}, {}
     for free in (True, False):
         model.zero_grad(set_to_none=True)
-        pipe = pl.Pipeline(model, 2, 1, "gpipe", nn.MSELoss(), devices="cpu")
+        pipe = pl.Pipeline(model, n_stages=2, n_microbatches=1, schedule="gpipe", loss_fn=nn.MSELoss(), devices="cpu")
         for worker in pipe.workers.values():
             worker.free_outputs = free
         peaks[free] = pipe.step(x, y).trace.peak_memory_observed
@@ -164,7 +165,8 @@ def test_observed_holds_at_least_what_autograd_saved(kind, schedule):
         n_layers=4, d_model=16, n_heads=2, vocab_size=32, seq_len=6, seed=0)
     x, y = pl.models.sample_batch(model, 16)
     for checkpoint in ("never", "except_last"):
-        pipe = pl.Pipeline(model, 4, 4, schedule, pl.models.default_loss(model), devices="cpu", checkpoint=checkpoint)
+        pipe = pl.Pipeline(model, n_stages=4, n_microbatches=4, schedule=schedule,
+                           loss_fn=pl.models.default_loss(model), devices="cpu", checkpoint=checkpoint)
         trace = pipe.step(x, y).trace
         assert all(o >= c for o, c in zip(trace.peak_memory_observed, trace.peak_memory))
         for device in range(4):
@@ -183,7 +185,8 @@ def test_stage0_observed_memory_follows_m_micro_batches_for_gpipe_and_min_p_m_fo
     x, y = pl.models.sample_batch(model, m * samples)
     for schedule, in_flight in (("gpipe", m), ("1f1b", min(p, m))):
         for free in (True, False):
-            pipe = pl.Pipeline(model, p, m, schedule, nn.MSELoss(), devices="cpu")
+            pipe = pl.Pipeline(model, n_stages=p, n_microbatches=m, schedule=schedule, loss_fn=nn.MSELoss(),
+                               devices="cpu")
             for worker in pipe.workers.values():
                 worker.free_outputs = free
             trace = pipe.step(x, y).trace
@@ -235,7 +238,7 @@ def two_stage_on_ranks() -> tuple:
     """On each of 2 ranks: two steps of the two-stage model (the second with every shape known)."""
     model = two_stage_model()
     x, y = torch.randn(N, IN), torch.randn(N, OUT)
-    pipe = pl.DistributedPipeline(model, 1, "gpipe", nn.MSELoss())
+    pipe = pl.DistributedPipeline(model, n_microbatches=1, schedule="gpipe", loss_fn=nn.MSELoss())
     traces = [pipe.step(x, y).trace for _ in range(2)]
     return [t.peak_memory for t in traces], [t.peak_memory_observed for t in traces], traces[-1].observed_peak_parts
 
@@ -256,7 +259,7 @@ def test_distributed_engine_observes_the_same_step_and_its_pending_send():
 def test_cuda_allocator_figures_beside_the_observed_curve():
     model = pl.models.mlp(depth=8, width=256, seed=0)
     x, y = pl.models.sample_batch(model, 64)
-    pipe = pl.Pipeline(model, 4, 8, "1f1b", nn.MSELoss(), devices="cuda")
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cuda")
     pipe.step(x, y)  # the first step allocates the .grad tensors
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
@@ -279,7 +282,7 @@ def test_the_observers_own_time_is_not_in_the_replayed_durations(monkeypatch):
 
     model = two_stage_model()
     x, y = torch.randn(4 * N, IN), torch.randn(4 * N, OUT)
-    pipe = pl.Pipeline(model, 2, 4, "1f1b", nn.MSELoss(), devices="cpu")
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=4, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cpu")
     quick = pipe.step(x, y)
     slow_keep = memory_observer.MemoryObserver._keep
 

@@ -32,7 +32,8 @@ def minibatches(model, n, size=5):
 
 def run_engine(model, p, xs, ys, update_every=1, checkpoint="never"):
     schedule = pl.schedules.pipedream_async(p, len(xs), update_every)
-    pipe = pl.Pipeline(model, p, len(xs), schedule, pl.models.default_loss(model), devices="cpu",
+    pipe = pl.Pipeline(model, n_stages=p, n_microbatches=len(xs), schedule=schedule,
+                       loss_fn=pl.models.default_loss(model), devices="cpu",
                        checkpoint=checkpoint, optimizer=momentum_sgd)
     return pipe, pipe.step(torch.cat(xs), torch.cat(ys))
 
@@ -85,8 +86,11 @@ def test_updates_every_k_backwards_equal_the_sequential_stale_weight_reference(k
 def test_the_optimizer_goes_with_asynchronous_schedules_only():
     model = make("mlp")
     with pytest.raises(TypeError, match="pass optimizer="):
-        pl.Pipeline(model, 2, 4, "pipedream-async", torch.nn.MSELoss(), devices="cpu")
+        pl.Pipeline(model, n_stages=2, n_microbatches=4, schedule="pipedream-async", loss_fn=torch.nn.MSELoss(),
+                    devices="cpu")
     with pytest.raises(ValueError, match="optimizer= is for asynchronous schedules"):
-        pl.Pipeline(model, 2, 4, "1f1b", torch.nn.MSELoss(), devices="cpu", optimizer=momentum_sgd)
+        pl.Pipeline(model, n_stages=2, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss(), devices="cpu",
+                    optimizer=momentum_sgd)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
-        pl.Pipeline(model, 2, 4, "pipedream-async", torch.nn.MSELoss(), devices="cpu", optimizer=lambda ps: None)
+        pl.Pipeline(model, n_stages=2, n_microbatches=4, schedule="pipedream-async", loss_fn=torch.nn.MSELoss(),
+                    devices="cpu", optimizer=lambda ps: None)

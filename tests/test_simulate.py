@@ -67,7 +67,8 @@ def test_simulated_memory_follows_the_inflight_count(generator, expected):
 def test_replaying_the_engines_measured_durations_reproduces_its_trace(schedule):
     model = pl.models.mlp(depth=8, width=32)
     x, y = pl.models.sample_batch(model, 16)
-    result = pl.Pipeline(model, 4, 8, schedule, torch.nn.MSELoss(), devices="cpu").step(x, y)
+    result = pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule=schedule, loss_fn=torch.nn.MSELoss(),
+                         devices="cpu").step(x, y)
     replay = pl.simulate(pl.schedules.by_name(schedule, 4, 8), result.trace.durations())
     assert replay.makespan == pytest.approx(result.trace.makespan, rel=1e-12)
     measured = {e.action: (e.start, e.end) for e in result.trace.events}
@@ -119,7 +120,8 @@ def test_simulated_memory_matches_the_measured_bytes(kind, schedule, checkpoint)
         model = pl.models.tiny_gpt(n_layers=2, d_model=16, n_heads=2, vocab_size=32, seq_len=8)
     loss_fn = pl.models.default_loss(model)
     x, y = pl.models.sample_batch(model, 16)
-    pipe = pl.Pipeline(model, 4, 8, schedule, loss_fn, devices="cpu", checkpoint=checkpoint)
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=8, schedule=schedule, loss_fn=loss_fn, devices="cpu",
+                       checkpoint=checkpoint)
     measured = pipe.step(x, y).trace
     costs = pl.Costs.from_profile(model, pipe.partition, (x[:2], y[:2]), loss_fn, repeats=1)
     predicted = pl.simulate(pipe.schedule, costs, checkpoint=checkpoint)

@@ -19,17 +19,20 @@ def test_timed_runs_use_the_threads_asked_for_and_restore_the_callers():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
-        pipe = pl.Pipeline(model, 2, 2, "gpipe", torch.nn.MSELoss(), devices="cpu", split_method="time", sample=x)
+        pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="gpipe", loss_fn=torch.nn.MSELoss(),
+                           devices="cpu", split_method="time", sample=x)
         pipe.step(x, y)
         pl.Costs.from_profile(model, pipe.partition, (x[:4], y[:4]), torch.nn.MSELoss())
         assert set(seen) == {1} and torch.get_num_threads() == 2
         seen.clear()
-        pl.Pipeline(model, 2, 2, "gpipe", torch.nn.MSELoss(), devices="cpu", threads=None).step(x, y)
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="gpipe", loss_fn=torch.nn.MSELoss(), devices="cpu",
+                    threads=None).step(x, y)
         assert set(seen) == {2}
     finally:
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="threads must be a positive int or None, got 0"):
-        pl.Pipeline(model, 2, 2, "gpipe", torch.nn.MSELoss(), devices="cpu", threads=0)
+        pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="gpipe", loss_fn=torch.nn.MSELoss(), devices="cpu",
+                    threads=0)
     with pytest.raises(ValueError, match="threads must be a positive int or None"):
         with intra_op_threads(True):
             pass

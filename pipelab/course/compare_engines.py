@@ -108,7 +108,8 @@ def rank_steps(n_microbatches: int, schedule: str, width: int = WIDTH, depth: in
     inputs, targets = models.sample_batch(model, batch_size, seed=seed)  # and the same batch
     loss_fn = torch.nn.MSELoss()
     _, reference = single_device_gradients(model, inputs, targets, loss_fn)  # the plain step, to compare with
-    pipe = DistributedPipeline(model, n_microbatches, schedule, loss_fn)  # keeps this rank's stage, frees the rest
+    pipe = DistributedPipeline(model, n_microbatches=n_microbatches, schedule=schedule,
+                               loss_fn=loss_fn)  # keeps this rank's stage, frees the rest
     mine = {name for name, p in model.named_parameters() if p.device.type != "meta"}
     results, difference = [], math.inf
     for step in range(steps):
@@ -266,7 +267,8 @@ def three_ways(n_processes: int = 2, n_microbatches: int = 8, schedule: str = "1
     real = run_on_processes(n_processes, n_microbatches, schedule, width, depth, batch_size, steps)
     model, inputs, targets, loss_fn = _workload(width, depth, batch_size)
     with intra_op_threads(1):
-        pipe = Pipeline(model, n_processes, n_microbatches, schedule, loss_fn, devices="cpu")
+        pipe = Pipeline(model, n_stages=n_processes, n_microbatches=n_microbatches, schedule=schedule,
+                        loss_fn=loss_fn, devices="cpu")
         results = []
         for _ in range(steps):
             model.zero_grad(set_to_none=True)
@@ -326,7 +328,7 @@ def step_with_wrong_targets(width: int = 64, depth: int = 4, batch_size: int = 1
     comes, and the launcher stops them and reports the last rank's error.
     """
     model, inputs, targets, loss_fn = _workload(width, depth, batch_size)
-    pipe = DistributedPipeline(model, n_microbatches, "1f1b", loss_fn)
+    pipe = DistributedPipeline(model, n_microbatches=n_microbatches, schedule="1f1b", loss_fn=loss_fn)
     pipe.step(inputs, targets)
     # MSELoss first warns that the sizes differ, then fails to broadcast them: the error says it all
     warnings.filterwarnings("ignore", "Using a target size", UserWarning)

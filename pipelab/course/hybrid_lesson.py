@@ -46,7 +46,8 @@ def _on_each_rank(shapes: list[tuple[int, int, int]], kind: str) -> list[dict]:
     for shape in shapes:
         model = make_model(kind)
         x, y = models.sample_batch(model, BATCH, seed=1)
-        pipe = DistributedPipeline(model, MICROBATCHES, "1f1b", models.default_loss(model), layout=Layout(*shape))
+        pipe = DistributedPipeline(model, n_microbatches=MICROBATCHES, schedule="1f1b",
+                                   loss_fn=models.default_loss(model), layout=Layout(*shape))
         pipe.step(x, y)
         for p in pipe.parameters():
             p.grad = None

@@ -11,8 +11,8 @@ follows the rule of `pl.pipedream` exactly:
 - after every `update_every`-th B, stage s's own optimizer steps its live weights with the
   gradients of those backwards (summed).
 
-It is one step of the local engine, `pl.Pipeline(model, p, m, pipedream_async(p, m, k),
-loss_fn, optimizer=make_optimizer)`, whose workers keep the versions
+It is one step of the local engine, `pl.Pipeline(model, n_stages=p, n_microbatches=m,
+schedule=pipedream_async(p, m, k), loss_fn=loss_fn, optimizer=make_optimizer)`, whose workers keep the versions
 (`runtime/weight_stash.py`): the minibatches are joined into one batch that the engine cuts
 back into the same m micro-batches.
 """
@@ -44,6 +44,7 @@ def train_async(model: torch.nn.Module, n_stages: int, inputs: list[Any], target
     if len(set(sizes)) > 1:
         raise ValueError(f"every minibatch must hold the same number of samples, got sizes {sizes}")
     m = len(inputs)
-    pipe = Pipeline(model, n_stages, m, pipedream_async(n_stages, m, update_every), loss_fn, devices="cpu",
+    pipe = Pipeline(model, n_stages=n_stages, n_microbatches=m, schedule=pipedream_async(n_stages, m, update_every),
+                    loss_fn=loss_fn, devices="cpu",
                     threads=None, optimizer=make_optimizer)
     return pipe.step(microbatch.merge(inputs), microbatch.merge(targets)).microbatch_losses

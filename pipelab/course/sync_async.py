@@ -57,7 +57,8 @@ def train_flushed(model: torch.nn.Module, n_stages: int, n_microbatches: int, in
     if len(inputs) != len(targets) or not inputs:
         raise ValueError(f"give as many input as target minibatches, and at least one; got {len(inputs)} and "
                          f"{len(targets)}")
-    pipe = Pipeline(model, n_stages, n_microbatches, "1f1b", loss_fn, devices="cpu")
+    pipe = Pipeline(model, n_stages=n_stages, n_microbatches=n_microbatches, schedule="1f1b", loss_fn=loss_fn,
+                    devices="cpu")
     optimizers = [make_optimizer(list(stage.parameters())) for stage in pipe.partition.stages]
     losses = []
     for x, y in zip(inputs, targets):

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import warnings
 import time
 from typing import Any, Callable
 
@@ -32,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.errors import PipelineError
+from ..common.threads import check_threads, intra_op_threads
 from ..common.gc_pause import gc_paused
 from ..model import microbatch
 from ..model.partition import Partition, balanced_bounds, split
@@ -67,6 +69,8 @@ class DistributedPipeline:
     given to `pl.distributed.launch`).  Rank d runs device d of the schedule: for
     "gpipe" and "1f1b" that is stage d, so n_stages = the group's size.
 
+    Everything after `model` is a keyword, in the same order as `pl.Pipeline`'s.
+
     Args:
         model: the full `nn.Sequential` of blocks, built identically on every rank (same seed).
             The blocks of other ranks' stages are moved to the "meta" device (freed); this
@@ -76,18 +80,21 @@ class DistributedPipeline:
             a rank may run several stages (interleaved 1F1B: `schedule.device_of_stage()`), and W
             actions split the backward as in `pl.Pipeline`.
         loss_fn: loss(output, target) returning the mean over a micro-batch.
-        device: None picks cuda:LOCAL_RANK with NCCL, else the CPU.
-        group: the process group of the pipeline (default: the whole world).
-        checkpoint: activation checkpointing per stage, as in `pl.Pipeline`.
+        devices: this rank's device; None picks cuda:LOCAL_RANK with NCCL, else the CPU.  (`device=`,
+            its name before, still works and warns.)
         split_method: "uniform", "params", "time" or a ready `Partition` (the same on every rank).
             "time" needs `sample` (an input batch); rank 0 measures the blocks and sends the
             costs to the others, so that every rank cuts the model at the same places.
-        threads: intra-op threads for this process on a CPU (default 1, so that ranks sharing
-            a machine's cores really run in parallel); None leaves PyTorch's setting.
+        sample: an input batch, for split_method="time".
+        checkpoint: activation checkpointing per stage, as in `pl.Pipeline`.
+        threads: intra-op threads while a step runs on a CPU (default 1, so that ranks sharing
+            a machine's cores really run in parallel; the caller's setting restored after); None
+            leaves PyTorch's setting.
         optimizer: for an asynchronous schedule ("pipedream-async") only, and needed there, as in
             `pl.Pipeline`: `optimizer(params)` builds each of this rank's stages its own optimizer.
         fused_accumulation: Linear weight gradients added into `.grad` inside the multiply, as in
             `pl.Pipeline` (default True).
+        group: the process group of the pipeline (default: the whole world).
 
     A hybrid layout on a ("dp", "pp", "tp") DeviceMesh (`runtime/hybrid.py`), with any of:
         tensor_parallel: t, ranks per tensor-parallel group (consecutive ranks).
@@ -97,12 +104,16 @@ class DistributedPipeline:
         layout: a `pl.Layout(dp=, pp=, tp=)` instead of the two numbers.
     """
 
-    def __init__(self, model: nn.Module, n_microbatches: int, schedule: str | Schedule = "1f1b",
-                 loss_fn: Callable | None = None, device: Any = None, group=None,
-                 checkpoint: str | list[bool] = "never", split_method: str | Partition = "uniform",
-                 sample: Any = None, threads: int | None = 1, optimizer: Callable | None = None,
-                 fused_accumulation: bool = True, *, tensor_parallel: int = 1, data_parallel: int = 1,
-                 tensor_parallel_plan: Callable | None = None, layout: Layout | None = None):
+    def __init__(self, model: nn.Module, *, n_microbatches: int, schedule: str | Schedule = "1f1b",
+                 loss_fn: Callable | None = None, devices: Any = None, split_method: str | Partition = "uniform",
+                 sample: Any = None, checkpoint: str | list[bool] = "never", threads: int | None = 1,
+                 optimizer: Callable | None = None, fused_accumulation: bool = True, group=None,
+                 tensor_parallel: int = 1, data_parallel: int = 1, tensor_parallel_plan: Callable | None = None,
+                 layout: Layout | None = None, device: Any = None):
+        if device is not None:
+            warnings.warn("DistributedPipeline(device=...) is now devices=..., as in pl.Pipeline", DeprecationWarning,
+                          stacklevel=2)
+            devices = device if devices is None else devices
         if not (dist.is_available() and dist.is_initialized()):
             raise PipelineError("DistributedPipeline runs inside a process group: start it with torchrun "
                                 "(torchrun --nproc-per-node 2 -m pipelab.launch ...) or pl.distributed.launch(fn, 2)")
@@ -131,9 +142,19 @@ class DistributedPipeline:
         self.schedule = resolve_schedule(schedule, n_microbatches, n_devices=self.world_size)
         self.n_stages = self.schedule.n_stages
         self.checkpoint = checkpoint_plan(checkpoint, self.n_stages)
-        self.device = self._resolve_device(device)
-        if threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(threads)
+        self.device = self._resolve_device(devices)
+        self.threads = check_threads(threads) if self.device.type == "cpu" else None
+        with self._context():
+            self._build(model, loss_fn, split_method, sample, optimizer, fused_accumulation, tensor_parallel_plan)
+
+    def _context(self):
+        """Where this rank's work runs: its intra-op threads on a CPU, its GPU as the current device on CUDA
+        (NCCL's calls use it); both restored on exit, so the caller's settings are never changed for good."""
+        if self.device.type == "cuda":
+            return torch.cuda.device(self.device)
+        return intra_op_threads(self.threads)
+
+    def _build(self, model, loss_fn, split_method, sample, optimizer, fused_accumulation, tensor_parallel_plan):
         if isinstance(split_method, Partition):
             self.partition = split_method
         elif split_method == "time":
@@ -154,14 +175,14 @@ class DistributedPipeline:
         if self.asynchronous and self.hybrid is not None:
             raise ValueError("an asynchronous schedule (PipeDream) updates each stage's weights inside its "
                                 "backwards; it does not run with tensor or data parallelism")
-        self.transport = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
+        self.p2p = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
+        self.transport = self.p2p  # what the loop sends and receives through (the same, or scatter/gather over it)
         self.row_orders: dict[str, torch.Tensor] = {}  # parameter name -> the row order tp_plans gave it
         if self.layout.tp > 1:
             self.row_orders = parallelize(self.stages, self.partition, tensor_parallel_plan, self.mesh["tp"])
             for s in self.stages:  # the worker leaves its parameters' storages out of the activation bytes: the shards
                 self.workers[s].parameters = [local_shard(p) for p in self.partition.stages[s].parameters()]
-            self.transport = ScatterGatherTransport(self.transport, self.hybrid.group("tp"), self.layout.tp,
-                                                    self.tp_index)
+            self.transport = ScatterGatherTransport(self.p2p, self.hybrid.group("tp"), self.layout.tp, self.tp_index)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
         self.observed_room = 0  # rows for observed memory changes in the step's one exchange (`_gather_step`)
 
@@ -187,7 +208,6 @@ class DistributedPipeline:
         if device.type == "cuda":
             if self.backend != "nccl":
                 raise ValueError(f"device {device} needs the NCCL backend; this group uses {self.backend}")
-            torch.cuda.set_device(device)
         elif self.backend == "nccl":
             raise ValueError("the NCCL backend moves CUDA tensors only; use gloo for device='cpu'")
         return device
@@ -236,6 +256,10 @@ class DistributedPipeline:
         runs its share n_r of the batch, then the gradients are all-reduced over "dp",
         each weighted n_r / N, and the loss is the global mean (`runtime/hybrid.py`).
         """
+        with self._context():
+            return self._step(inputs, targets)
+
+    def _step(self, inputs: Any, targets: Any) -> StepResult:
         total = microbatch.batch_size(inputs)
         if microbatch.batch_size(targets) != total:
             raise ValueError(f"inputs hold {total} samples but targets hold {microbatch.batch_size(targets)}")
@@ -261,16 +285,16 @@ class DistributedPipeline:
         observer = MemoryObserver(self.schedule.device_of_stage(), self.parameters())
         for worker in self.workers.values():
             worker.start_step(input_chunks, target_chunks, weights, observer)
-        self.transport.observer = observer  # before start_step, which posts the first receives
-        self.transport.start_step([_signature(chunk) for chunk in input_chunks])
+        self.p2p.observer = observer  # before start_step, which posts the first receives
+        self.p2p.start_step([_signature(chunk) for chunk in input_chunks])
         clock = ActionClock([self.device])
         if self.backend == "gloo":  # the end-of-step exchange's receives, posted now (`p2p.exchange`)
-            self.transport.post_exchange(self._step_table_rows() * len(COLUMNS) + self.observed_room * 4 + 1)
+            self.p2p.post_exchange(self._step_table_rows() * len(COLUMNS) + self.observed_room * 4 + 1)
 
         step_begin = time.perf_counter()
         with gc_paused():  # a full collection (~25 ms with torch loaded) on one rank would stall the others
             run_actions(self.schedule, self.schedule.actions[self.rank], self.workers, self.transport, clock, observer)
-            self.transport.finish()
+            self.p2p.finish()
         observer.close()
         table, observed = self._gather_step(self._record(clock), self._place_observed(observer, clock))
         wall_seconds = time.perf_counter() - step_begin
@@ -281,7 +305,7 @@ class DistributedPipeline:
 
     def _record(self, clock: ActionClock) -> torch.Tensor:
         """This rank's row of the step table: one line per action, the COLUMNS, times on rank 0's clock."""
-        intervals, waits, sent = clock.intervals(), self.transport.waits, self.transport.sent_at
+        intervals, waits, sent = clock.intervals(), self.p2p.waits, self.p2p.sent_at
         offset = self.clock_offset
         rows = []
         for action in self.schedule.actions[self.rank]:
@@ -344,7 +368,7 @@ class DistributedPipeline:
         gloo: `transport.exchange`, straight from each rank to every other; NCCL: `dist.all_gather`.
         """
         if self.backend == "gloo":
-            return self.transport.exchange(tensor)
+            return self.p2p.exchange(tensor)
         local = tensor.to(self.device)
         gathered = [torch.empty_like(local) for _ in range(self.world_size)]
         dist.all_gather(gathered, local, group=self.group)
@@ -361,7 +385,7 @@ class DistributedPipeline:
             events.append(Event(action.stage, action.kind, action.microbatch, start - origin, end - origin, device))
             if not math.isnan(wait_start):
                 waits.append(Wait(device, wait_start - origin, wait_end - origin, action))
-                source = self.transport.routes.producer(action)
+                source = self.p2p.routes.producer(action)
                 messages.append(Message(device_of[source], device, values[source][4] - origin, wait_end - origin, source))
         events.sort(key=lambda e: (e.start, e.device))
         column = {name: k for k, name in enumerate(COLUMNS)}

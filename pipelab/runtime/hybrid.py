@@ -78,9 +78,6 @@ class ScatterGatherTransport:
     def __init__(self, inner, group, tp_size: int, tp_index: int):
         self.inner, self.group, self.tp_size, self.tp_index = inner, group, tp_size, tp_index
 
-    def __getattr__(self, name: str) -> Any:  # start_step, finish, waits, sent_at: the inner transport's
-        return getattr(self.inner, name)
-
     def send(self, action, tensor: torch.Tensor | None) -> None:
         if isinstance(tensor, torch.Tensor):
             tensor = _plain(tensor)

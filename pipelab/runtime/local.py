@@ -44,15 +44,18 @@ from .step import StepResult, check_loss_fn, check_microbatch_count, cut_batch, 
 class Pipeline:
     """Pipeline-parallel training of an `nn.Sequential` model on local devices.
 
+    Everything after `model` is a keyword, in the same order as `pl.DistributedPipeline`'s.
+
     Args:
         model: an `nn.Sequential` of blocks (see `pl.models`); its parameters receive the gradients.
         n_stages, n_microbatches: p and m.
-        schedule: "gpipe", "1f1b", "zb-h1" or a `Schedule` for the same p and m (validated).  A schedule
-            with W actions splits each backward: B computes the input gradient only, W the weight
+        schedule: "gpipe", "1f1b", "zb-h1" or a `Schedule` for the same p and m (validated).  A stage
+            with I and W actions splits each backward: I computes the input gradient only, W the weight
             gradients (`pipelab.model.split_backward`), and a micro-batch is held until its W.
         loss_fn: loss(output, target) returning the *mean* over a micro-batch.
         devices: "auto", "cpu", "cuda", a device name, or a list with one device per stage.
         split_method: "uniform", "params", "time" (needs `sample`) or a ready `Partition`.
+        sample: an input batch, for split_method="time".
         checkpoint: activation checkpointing per stage: "never", "always", "except_last"
             (the last stage runs B right after F in 1F1B, so recomputing there saves little)
             or a list of booleans, one per stage.
@@ -66,12 +69,15 @@ class Pipeline:
             instead of computing it and adding it after, one pass over the weights fewer per
             micro-batch (`model/fused_accumulation.py`; default True; not with a split backward
             or weight stashing).  False: plain autograd accumulation.
+        warm_up: before the first step, run one micro-batch forward and backward through every
+            stage, untimed, its gradients discarded: PyTorch initialises kernels lazily, and the
+            first backward of some ops costs hundreds of milliseconds (default True).
     """
 
-    def __init__(self, model: nn.Module, n_stages: int, n_microbatches: int, schedule: str | Schedule = "1f1b",
+    def __init__(self, model: nn.Module, *, n_stages: int, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, devices: Any = "auto", split_method: str | Partition = "uniform",
                  sample: Any = None, checkpoint: str | list[bool] = "never", threads: int | None = 1,
-                 optimizer: Callable | None = None, fused_accumulation: bool = True):
+                 optimizer: Callable | None = None, fused_accumulation: bool = True, warm_up: bool = True):
         check_loss_fn(loss_fn)
         check_microbatch_count(n_microbatches)
         self.threads = check_threads(threads)
@@ -86,18 +92,21 @@ class Pipeline:
         self.devices = assign_devices(devices, n_stages)
         for stage, device in zip(self.partition.stages, self.devices):
             stage.to(device)
-        self.parameters = [list(stage.parameters()) for stage in self.partition.stages]
         self.workers = make_workers(self.schedule, self.partition, list(range(n_stages)), loss_fn, self.checkpoint,
                                     self.devices.__getitem__, optimizer=optimizer,
                                     fused_accumulation=fused_accumulation)
         self.asynchronous = self.schedule.asynchronous
-        self._warm = False
+        self.warmed_up = not warm_up  # set once the warm-up has run
         self.order = run_dependencies(self.schedule, duration=lambda a: 1.0).time_order()
         device_of_stage = self.schedule.device_of_stage()
         self.wall_clock = (
             all(d.type == "cuda" for d in self.devices) and len(set(self.devices)) == n_stages
             and sorted(device_of_stage.values()) == list(range(n_stages))
         )
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Every stage's parameters, in stage order (give them to the optimizer)."""
+        return [p for stage in self.partition.stages for p in stage.parameters()]
 
     def step(self, inputs: Any, targets: Any) -> StepResult:
         """One training step: gradients of the mean loss over the batch are *added* to `.grad` (zero them first).
@@ -110,10 +119,10 @@ class Pipeline:
 
     def _step(self, inputs: Any, targets: Any) -> StepResult:
         input_chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous)
-        if not self._warm:
+        if not self.warmed_up:
             self._warm_up(input_chunks[0], target_chunks[0])
         device_of_stage = self.schedule.device_of_stage()
-        observer = MemoryObserver(device_of_stage, [p for params in self.parameters for p in params])
+        observer = MemoryObserver(device_of_stage, self.parameters())
         for worker in self.workers.values():
             worker.start_step(input_chunks, target_chunks, weights, observer)
         clock = ActionClock(self.devices)
@@ -149,11 +158,11 @@ class Pipeline:
                     out = self.loss_fn(out, to_device(targets, device))
             except Exception as error:
                 raise failure(error, self.workers[s].explain(Action("F", s, 0), inp, error)) from error
-            wrt = [t for t in [inp, *self.parameters[s]] if isinstance(t, torch.Tensor) and t.requires_grad]
+            wrt = [t for t in [inp, *stage.parameters()] if isinstance(t, torch.Tensor) and t.requires_grad]
             if wrt:
                 torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
             x = out.detach()
-        self._warm = True
+        self.warmed_up = True
 
     def _trace(self, clock: ActionClock, observer: MemoryObserver) -> Trace:
         intervals = clock.intervals()

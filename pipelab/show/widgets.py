@@ -350,7 +350,8 @@ def run_for_real(n_devices: int, n_microbatches: int, schedule: str = "1f1b", wi
     inputs, targets = models.sample_batch(model, n_microbatches * samples_per_microbatch, seed=seed)
     loss_fn = torch.nn.MSELoss()
     optimizer = (lambda params: torch.optim.SGD(params, lr=0.01)) if table.asynchronous else None
-    pipe = Pipeline(model, table.n_stages, n_microbatches, table, loss_fn, devices="cpu", optimizer=optimizer)
+    pipe = Pipeline(model, n_stages=table.n_stages, n_microbatches=n_microbatches, schedule=table, loss_fn=loss_fn,
+                    devices="cpu", optimizer=optimizer)
     pipe.step(inputs, targets)  # warm-up
     model.zero_grad(set_to_none=True)
     measured = pipe.step(inputs, targets).trace
