@@ -19,6 +19,9 @@ MICROBATCHES = 4
 LR = 1e-2
 
 
+UNEVEN = [(0, 1), (1, 6), (6, 8)]  # a 3-stage cut that no equal split gives
+
+
 def make_model(seed: int = 1, depth: int = 8, width: int = 16):
     return pl.models.mlp(depth=depth, width=width, seed=seed)
 
@@ -49,7 +52,8 @@ def fresh(schedule: str, group=None, depth: int = 8):
 def save_resume_and_reshard(path: str, model_only_path: str) -> dict:
     """On 4 ranks; what this rank saw (losses, what it saved, the error of a wrong load)."""
     data, found = batches(), {}
-    pair = dist.new_group([0, 1])  # every rank takes part in creating it
+    pair = dist.new_group([0, 1])  # every rank takes part in creating them
+    trio = dist.new_group([0, 1, 2])
     if dist.get_rank() < 2:
         model = make_model()  # the reference: STEPS + 2 steps without interruption
         pipe = pl.DistributedPipeline(model, n_microbatches=MICROBATCHES, schedule="1f1b", loss_fn=torch.nn.MSELoss(),
@@ -77,6 +81,19 @@ def save_resume_and_reshard(path: str, model_only_path: str) -> dict:
     checkpoint.load(pipe, path, optimizer)
     found["resumed p=4"] = train(pipe, optimizer, data[STEPS:])
     found["stages"] = (pipe.stages, pipe.partition.bounds)
+
+    if dist.get_rank() < 3:  # 3 stages of an uneven cut (1, 5 and 2 blocks) read the 2-stage checkpoint
+        model = make_model(seed=99)
+        partition = pl.Partition(UNEVEN, [model[a:b] for a, b in UNEVEN], "by hand", [1.0] * len(model))
+        pipe = pl.DistributedPipeline(model, n_microbatches=MICROBATCHES, schedule="1f1b",
+                                      loss_fn=torch.nn.MSELoss(), split_method=partition, group=trio)
+        optimizer = torch.optim.Adam(pipe.parameters(), lr=5.0)
+        checkpoint.load(pipe, path, optimizer)
+        found["p=3 parameters"] = {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
+        found["p=3 adam"] = {n: {k: v.clone() for k, v in optimizer.state[p].items()}
+                             for n, p in model.named_parameters() if p in optimizer.state}
+        found["p=3 lr"] = optimizer.param_groups[0]["lr"]
+        found["resumed p=3"] = train(pipe, optimizer, data[STEPS:])
 
     pipe, _ = fresh("gpipe", depth=9)  # another model: every rank refuses it alike, before communicating
     try:

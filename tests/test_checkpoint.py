@@ -49,6 +49,24 @@ def test_a_four_stage_pipeline_reads_the_two_stage_checkpoint(run):
     assert ranks[0]["resumed p=4"] == expected(ranks)  # exactly
 
 
+def test_three_uneven_stages_read_every_parameter_and_adam_state_by_name(run):
+    """Re-staging from 2 stages of (0, 4), (4, 8) to 3 of (0, 1), (1, 6), (6, 8): a key mapped by position
+    in an equal cut would land on the wrong block; here every parameter and Adam state is compared by name."""
+    ranks, _, _ = run
+    saved = {**ranks[0]["parameters"], **ranks[1]["parameters"]}
+    adam = {**ranks[0]["adam"], **ranks[1]["adam"]}
+    loaded = {name: tensor for rank in ranks[:3] for name, tensor in rank["p=3 parameters"].items()}
+    loaded_adam = {name: state for rank in ranks[:3] for name, state in rank["p=3 adam"].items()}
+    assert set(loaded) == set(saved) == set(loaded_adam) == set(adam)
+    assert sorted({name.split(".")[0] for name in ranks[1]["p=3 parameters"]}, key=int) == ["1", "2", "3", "4", "5"]
+    for name in saved:
+        assert torch.equal(loaded[name], saved[name]), name
+        for key, value in adam[name].items():
+            assert torch.equal(loaded_adam[name][key], value), f"{name} {key}"
+    assert all(rank["p=3 lr"] == cases.LR for rank in ranks[:3])
+    assert ranks[0]["resumed p=3"] == ranks[2]["resumed p=3"] == expected(ranks)  # exactly
+
+
 def test_a_plain_model_and_its_adam_read_it_in_one_process(run, one_torch_thread):
     ranks, path, _ = run
     model = cases.make_model(seed=99)

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import pipelab as pl
-from pipelab.schedules.dependencies import run_dependencies
+from reference_timing import reference_times
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -37,11 +37,15 @@ def test_trace_on_cpu_is_replayed_and_complete(schedule):
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
-def test_replaying_the_measured_durations_reproduces_the_trace(schedule):
+def test_the_replayed_trace_is_the_reference_timeline_of_the_measured_durations(schedule):
+    """The replay against an independent reference (`tests/reference_timing.py`: a naive sweep of DESIGN.md's
+    rules, not the engine's dependency loop): every action starts and ends where the rules put it."""
     pipe, result = run(schedule)
     durations = result.trace.durations()
-    timing = run_dependencies(pipe.schedule, duration=durations.__getitem__)
-    assert timing.makespan == pytest.approx(result.trace.makespan, rel=1e-12)
+    start, end = reference_times(pipe.schedule, durations.__getitem__)
+    assert len(result.trace.events) == len(start) == 2 * 4 * 8
+    for e in result.trace.events:
+        assert (e.start, e.end) == pytest.approx((start[e.action], end[e.action]), rel=1e-9, abs=1e-12), e
     # and the host really ran every op: the step's wall time covers the summed op times
     assert result.wall_seconds >= result.op_seconds
 

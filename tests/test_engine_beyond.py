@@ -190,9 +190,10 @@ def test_observed_memory_between_b_and_w_by_hand():
     # counted: stage 0 saves x and Z (GELU's input); stage 1 its input h, its output and the target
     assert trace.peak_memory == [x_ + h_, h_ + o_ + o_]
     end = {e.action: e.end for e in trace.events}
-    # after I, until W: stage 1 keeps what it saved and the gradient of its output recorded at the Linear
-    # for W (o_); stage 0 (no input gradient to compute) what it saved and the gradient it received
-    assert level_at(trace, 1, "observed", end[Action("I", 1, 0)]) == h_ + o_ + o_ + o_
+    # after I, until W: stage 1 keeps what W needs, its Linear's input (h_) and the gradient of its output
+    # recorded at the Linear (o_); the loss node's saved output and target are freed at I (nothing holds it);
+    # stage 0 (no input gradient to compute) what it saved and the gradient it received
+    assert level_at(trace, 1, "observed", end[Action("I", 1, 0)]) == h_ + o_
     assert level_at(trace, 0, "observed", end[Action("I", 0, 0)]) == x_ + h_ + h_
     # the peak of stage 1: at the end of I, also the gradient of its input, about to be sent
     assert trace.peak_memory_observed[1] == h_ + o_ + o_ + o_ + h_

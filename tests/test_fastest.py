@@ -18,7 +18,7 @@ class ScriptedPipe:
     def step(self, inputs, targets):
         self.calls += 1
         seconds = self.makespans.pop(0)
-        event = pl.Event(0, "F", 0, 0.0, seconds, 0)
+        event = pl.Event("F", 0, 0, 0.0, seconds, 0)
         trace = pl.Trace([event], [], "simulated", 1, 1, 1)
         return type("Result", (), {"trace": trace})()
 

@@ -51,7 +51,7 @@ def simulated(p, m, schedule="1f1b", **costs):
 def measured_like(p, m, names):
     """A trace as the engines return it: times in seconds, named devices."""
     trace = simulated(p, m)
-    events = [Event(e.stage, e.kind, e.microbatch, e.start * 1e-3, e.end * 1e-3, e.device) for e in trace.events]
+    events = [e._replace(start=e.start * 1e-3, end=e.end * 1e-3) for e in trace.events]
     memory = [MemorySample(s.device, s.time * 1e-3, s.bytes) for s in trace.memory]
     return Trace(events, memory, "replayed", p, m, p, trace.schedule_name, device_names=names(p))
 

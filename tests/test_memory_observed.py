@@ -91,12 +91,10 @@ def two_stage_model() -> nn.Sequential:
     return nn.Sequential(nn.Sequential(nn.Linear(IN, HIDDEN), nn.GELU()), nn.Linear(HIDDEN, OUT))
 
 
-def one_step(model, free_outputs=True, schedule="gpipe", n_microbatches=1, checkpoint="never"):
+def one_step(model, schedule="gpipe", n_microbatches=1, checkpoint="never"):
     x, y = torch.randn(N * n_microbatches, IN), torch.randn(N * n_microbatches, OUT)
     pipe = pl.Pipeline(model, n_stages=2, n_microbatches=n_microbatches, schedule=schedule, loss_fn=nn.MSELoss(),
                        devices="cpu", checkpoint=checkpoint)
-    for worker in pipe.workers.values():
-        worker.free_outputs = free_outputs
     return pipe.step(x, y).trace
 
 
@@ -107,7 +105,8 @@ def test_observed_peaks_of_a_two_stage_step_by_hand():
     trace = one_step(two_stage_model())
     # counted: stage 0 saves x and Z; stage 1 saves its input (Linear) and output and target (MSELoss)
     assert trace.peak_memory == [x_ + h_, h_ + o_ + o_]
-    # observed, stage 0: x, Z and its output Y while F runs; Y is freed once sent, then the gradient of Y
+    # observed, stage 0: x, Z and its output Y while F runs; Y is freed once sent (only its GradientEdge is
+    # kept; kept whole, Y would stay until B and the peak be 320 bytes more), then the gradient of Y
     # arrives (as big as Y) and waits for B: both moments hold x + Z + 320 bytes.
     # stage 1: during F its input, output, target and the weighted loss (4 bytes, held until F ends);
     # at the end of B its input and the input's gradient, about to be sent: 320 + 320.
@@ -115,26 +114,6 @@ def test_observed_peaks_of_a_two_stage_step_by_hand():
     assert trace.observed_peak_parts == [{"saved": x_ + h_, "output": h_}, {"saved": h_, "gradient": h_}]
     for device in range(2):
         assert trace.memory_curve(device, "observed")[1][-1] == 0  # everything freed by the end
-
-
-def test_freeing_outputs_early_lowers_the_observed_peak_by_the_output_and_keeps_gradients_exact():
-    model = two_stage_model()
-    x, y = torch.randn(N, IN), torch.randn(N, OUT)
-    nn.MSELoss()(model(x), y).backward()
-    reference = [p.grad.clone() for p in model.parameters()]
-    peaks, grads = {}, {}
-    for free in (True, False):
-        model.zero_grad(set_to_none=True)
-        pipe = pl.Pipeline(model, n_stages=2, n_microbatches=1, schedule="gpipe", loss_fn=nn.MSELoss(), devices="cpu")
-        for worker in pipe.workers.values():
-            worker.free_outputs = free
-        peaks[free] = pipe.step(x, y).trace.peak_memory_observed
-        grads[free] = [p.grad.clone() for p in model.parameters()]
-    # kept, stage 0's output Y (320 bytes) stays until B and the gradient arrives on top of it;
-    # stage 1's output is the weighted loss, one fp32 scalar
-    assert [kept - freed for kept, freed in zip(peaks[False], peaks[True])] == [N * HIDDEN * FP32, FP32]
-    for free in (True, False):
-        assert all(torch.equal(g, r) for g, r in zip(grads[free], reference))
 
 
 def test_checkpointed_stage_holds_its_input_then_the_recomputation_inside_the_backward():
@@ -184,45 +163,42 @@ def test_stage0_observed_memory_follows_m_micro_batches_for_gpipe_and_min_p_m_fo
     model = pl.models.mlp(depth=8, width=width, seed=0)
     x, y = pl.models.sample_batch(model, m * samples)
     for schedule, in_flight in (("gpipe", m), ("1f1b", min(p, m))):
-        for free in (True, False):
-            pipe = pl.Pipeline(model, n_stages=p, n_microbatches=m, schedule=schedule, loss_fn=nn.MSELoss(),
-                               devices="cpu")
-            for worker in pipe.workers.values():
-                worker.free_outputs = free
-            trace = pipe.step(x, y).trace
-            model.zero_grad(set_to_none=True)
-            # the forward that fills the pipeline: stage 0's in_flight-th (no B of stage 0 has run yet)
-            last = next(e for e in trace.events if e.action == Action("F", 0, in_flight - 1))
-            times, levels = trace.memory_curve(0, "observed")
-            during = max(level for t, level in zip(times, levels) if last.start < t < last.end)
-            kept_output = 0 if free else u
-            # gradients already back from stage 1 wait for their B (none, unless this forward's measured
-            # duration was long enough for a micro-batch to go down the pipeline and back)
-            waiting = [sum(e.kind == "B" and e.stage == 1 and e.end < t for e in trace.events) * u
-                       for t in (last.end, math.nextafter(last.end, math.inf))]
-            # during it: the saved tensors of all in flight, and its output until sent
-            assert during == in_flight * saved + u + (in_flight - 1) * kept_output + waiting[0]
-            # once it is sent: the saved tensors only (and, kept, every output)
-            assert level_at(trace, 0, "observed", last.end) == in_flight * (saved + kept_output) + waiting[1]
-            peak, parts = trace.peak_memory_observed[0], trace.observed_peak_parts[0]
-            assert peak >= during
-            # never more saved than the micro-batches in flight; with outputs freed, at most the one being
-            # sent (gradients received and waiting for their B come on top: how many depends on the
-            # measured durations the step is replayed with)
-            assert parts["saved"] <= in_flight * saved
-            assert parts.get("output", 0) <= (u if free else in_flight * u)
+        pipe = pl.Pipeline(model, n_stages=p, n_microbatches=m, schedule=schedule, loss_fn=nn.MSELoss(),
+                           devices="cpu")
+        trace = pipe.step(x, y).trace
+        model.zero_grad(set_to_none=True)
+        # the forward that fills the pipeline: stage 0's in_flight-th (no B of stage 0 has run yet)
+        last = next(e for e in trace.events if e.action == Action("F", 0, in_flight - 1))
+        times, levels = trace.memory_curve(0, "observed")
+        during = max(level for t, level in zip(times, levels) if last.start < t < last.end)
+        # gradients already back from stage 1 wait for their B (none, unless this forward's measured
+        # duration was long enough for a micro-batch to go down the pipeline and back)
+        waiting = [sum(e.kind == "B" and e.stage == 1 and e.end < t for e in trace.events) * u
+                   for t in (last.end, math.nextafter(last.end, math.inf))]
+        # during it: the saved tensors of all in flight, and its output until sent
+        assert during == in_flight * saved + u + waiting[0]
+        # once it is sent: the saved tensors only
+        assert level_at(trace, 0, "observed", last.end) == in_flight * saved + waiting[1]
+        peak, parts = trace.peak_memory_observed[0], trace.observed_peak_parts[0]
+        assert peak >= during
+        # never more saved than the micro-batches in flight; outputs freed once sent, at most the one being
+        # sent (gradients received and waiting for their B come on top: how many depends on the
+        # measured durations the step is replayed with)
+        assert parts["saved"] <= in_flight * saved
+        assert parts.get("output", 0) <= u
 
 
 # -- the Trace's API -------------------------------------------------------------------------
-def test_peak_memory_by_kind_and_the_old_name():
+def test_peak_memory_by_kind():
     memory = [MemorySample(0, 0.0, 0), MemorySample(0, 1.0, 300, "observed"), MemorySample(0, 1.0, 100),
-              MemorySample(1, 2.0, 50, "activations")]  # "activations": the old name of "counted"
+              MemorySample(1, 2.0, 50, "counted")]
     trace = Trace([], memory, "replayed", 2, 1, 2)
     assert trace.memory_kinds == ["counted", "observed"]
     assert trace.peak_memory == trace.peak_memory_by("counted") == [100, 50]
-    assert trace.peak_memory_by("activations") == [100, 50]
     assert trace.peak_memory_observed == [300, 0]
-    assert trace.memory_curve(1, "activations") == ([2.0], [50])
+    assert trace.memory_curve(1, "counted") == ([2.0], [50])
+    with pytest.raises(ValueError, match="memory samples are one of"):
+        Trace([], [MemorySample(0, 0.0, 0, "activations")], "replayed", 1, 1, 1)
     with pytest.raises(ValueError, match="no 'allocated' memory samples"):
         trace.peak_memory_by("allocated")
     with pytest.raises(ValueError, match="one of"):

@@ -10,8 +10,8 @@ from pipelab.schedules.trace import Event, MemorySample, Trace
 
 
 def two_device_trace(source="replayed"):
-    events = [Event(0, "F", 0, 0.0, 1.0, 0), Event(1, "F", 0, 1.0, 2.0, 1),
-              Event(1, "B", 0, 2.0, 4.0, 1), Event(0, "B", 0, 4.0, 6.0, 0)]
+    events = [Event("F", 0, 0, 0.0, 1.0, 0), Event("F", 1, 0, 1.0, 2.0, 1),
+              Event("B", 1, 0, 2.0, 4.0, 1), Event("B", 0, 0, 4.0, 6.0, 0)]
     memory = [MemorySample(0, 1.0, 100), MemorySample(0, 6.0, 0), MemorySample(1, 2.0, 50), MemorySample(1, 4.0, 0)]
     return Trace(events, memory, source, 2, 1, 2, "gpipe")
 

@@ -30,18 +30,18 @@ def test_pytorch_tables_validate_and_simulate(name, p, m):
     assert 0.0 <= trace.bubble_fraction < 1.0
 
 
-def test_pytorch_1f1b_table_is_checked_not_trusted():
-    """DESIGN.md's pitfall: torch's Schedule1F1B gives its last rank F1 .. Fm (F0 skipped).
-    pipelab does not patch it: validate names the entry.  Should PyTorch fix it, the table
-    must then be pipelab's one_f_one_b."""
+def test_pytorch_1f1b_table_skips_f0_on_its_last_rank_and_validate_says_so():
+    """DESIGN.md's pitfall, checked on the pinned torch (2.13): Schedule1F1B's last rank runs F1 .. Fm, not
+    F0 .. Fm-1, while its backwards are B0 .. Bm-1 and every other rank is pipelab's 1F1B.  pipelab does
+    not patch it: validate names the entry.  (A torch that fixes it fails here: then say so in the lesson.)"""
     for p, m in SHAPES:
         sched = schedules.torch_schedule("1F1B", p, m)
-        try:
+        last = sched.actions[p - 1]
+        assert [a.microbatch for a in last if a.kind == "F"] == list(range(1, m + 1))
+        assert [a.microbatch for a in last if a.kind == "B"] == list(range(m))
+        assert sched.actions[:p - 1] == schedules.one_f_one_b(p, m).actions[:p - 1]
+        with pytest.raises(pl.ScheduleError, match=f"{p - 1}F{m} names micro-batch {m}, but the schedule has {m} "):
             schedules.validate(sched)
-        except pl.ScheduleError as error:
-            assert f"{p - 1}F{m} names micro-batch {m}, but the schedule has {m} micro-batches" in str(error)
-        else:
-            assert sched.actions == schedules.one_f_one_b(p, m).actions
 
 
 def test_pytorch_builds_pipelabs_tables_action_for_action():

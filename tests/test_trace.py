@@ -20,7 +20,7 @@ def trace(events, memory=(), n_stages=2, n_microbatches=2, n_devices=None, **kw)
 
 
 def ev(stage, kind, mb, start, end, device=None):
-    return Event(stage, kind, mb, start, end, stage if device is None else device)
+    return Event(kind, stage, mb, start, end, stage if device is None else device)
 
 
 # Two stages, two micro-batches, GPipe by hand (t_F = 1, t_B = 2), starting at t = 10, with one

@@ -45,11 +45,30 @@ def test_real_run_returns_prediction_and_measurement():
         run_for_real(9, 2)
 
 
-def test_button_runs_for_real():
+def _find(widget, kind, description):
+    """The widget of type `kind` with that description, anywhere in `widget`'s tree."""
+    if isinstance(widget, kind) and getattr(widget, "description", None) == description:
+        return widget
+    for child in getattr(widget, "children", ()):
+        found = _find(child, kind, description)
+        if found is not None:
+            return found
+    return None
+
+
+def test_the_run_for_real_button_runs_the_engine_and_shows_its_timeline():
+    import ipywidgets as w
+
     box = explorer(n_devices=2, n_microbatches=2)
-    button = box.children[1].children[-1]
+    button = _find(box, w.Button, "run it for real (CPU)")
+    image = next(c for c in box.children if isinstance(c, w.Image) and c.layout.display == "none")
+    assert button is not None and box.real is None
     button.click()
-    assert box.real is not None and box.real[1].n_microbatches == 2
+    predicted, measured = box.real
+    assert (predicted.source, measured.source) == ("simulated", "replayed")
+    assert (measured.n_devices, measured.n_microbatches, len(measured.events)) == (2, 2, 8)
+    assert box.real_for == (2, 2, "1f1b") and image.layout.display is None
+    assert bytes(image.value).startswith(b"\x89PNG")
 
 
 def test_memory_panel_checkpointing_and_budget():

@@ -15,7 +15,7 @@ A stage whose input needs no gradient (the first stage, or integer tokens) has n
 path: its I computes nothing and its W the whole backward.
 
 The output may be given as a tensor or as its `GradientEdge` (what the engines keep once
-the output itself is freed, `runtime/stage.release_output`); a scalar output (the last
+the output itself is freed, `model/stage.py`); a scalar output (the last
 stage's loss) needs no `grad_output`.  What W needs is kept without the output's values.
 """
 

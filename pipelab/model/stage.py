@@ -1,32 +1,15 @@
-"""One stage's work on one micro-batch: forward (keeping the graph) and backward.
+"""One stage's work on one micro-batch: its forward, then its backward, whole (B) or split (I, then W).
 
-A stage receives an activation, detaches it from the previous stage's graph and makes it
-a leaf that requires grad, so that its backward stops at the stage boundary and leaves
-the gradient to send back in `input.grad`.  Backward accumulates into the parameters'
-`.grad` (like any `loss.backward()`), which is how the gradients of the micro-batches
-add up to the gradient of the whole batch.
-
-Activation memory is counted as autograd keeps it: every tensor saved for backward
-during the forward passes through `torch.autograd.graph.saved_tensors_hooks`; the bytes
-of their storages are summed once per storage, leaving out the stage's own parameters
-(`saved_bytes`, the "counted" figure).  The hook also hands each saved tensor to `keep`
-(the engine's `MemoryObserver`, which measures when the storage is really freed).
-
-Between F and B a stage needs its output only as a place in the graph to start the
-backward from, not its values (whatever backward needs of them autograd saved).  After the
-output is sent, `release_output` keeps its `GradientEdge` and drops the tensor, so its
-storage is freed (Megatron-LM's `deallocate_output_tensor` does this by shrinking
-`output.data`; a `GradientEdge` does it with public API and no aliasing risk).  The
-backward then starts from the edge: the same graph, the same gradients.
-
-A split backward (zero-bubble schedules, `pipelab.model.split_backward`): `backward_input` (I)
-computes only the input's gradient and keeps the graph with what W needs; `backward_weight`
-(W) then adds the weight gradients.  A micro-batch is held from its F to its W.
-
-Activation checkpointing (Chen et al. 2016, "Training deep nets with sublinear memory
-cost"): the forward runs without building a graph and keeps only the stage's input; the
-backward first runs the forward again (with the random state of the first run), then
-backpropagates.  Memory between F and B drops to the input; B costs one more forward.
+A stage makes what it receives a leaf that requires grad (`as_input`), so that its backward
+stops at the boundary and leaves the gradient to send back in `input.grad`; the backward
+accumulates into the parameters' `.grad`, which is how the micro-batches' gradients add up.
+Between F and its backward a micro-batch holds a `Held`: the input and the output's
+`GradientEdge` (the output's values are dropped once sent; Megatron-LM's
+`deallocate_output_tensor` does the same by shrinking `output.data`), or, on a checkpointed
+stage, what it takes to run the forward again (Chen et al. 2016: keep the input, recompute at
+the backward with the first run's random state).  A split backward (`split_backward.py`)
+holds a `HeldForW` from its I to its W.  `SavedTensors` counts the bytes autograd saves for
+backward (the "counted" activation memory), and tells an observer of each storage.
 """
 
 from __future__ import annotations
@@ -36,61 +19,59 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import split_backward
-from .fused_accumulation import FusedAccumulation
 
 
-@dataclass
-class InFlight:
-    """What a stage keeps for one micro-batch between its forward and its backward."""
+class SavedTensors:
+    """`with saved:` counts the bytes autograd saves inside the block, once per storage, leaving out
+    `excluded` storages (a stage's parameters; a recomputing stage's input, already held), and hands each
+    storage counted to `observe` (the engine's memory observer).  `bytes` restarts at each entry."""
 
-    input: Any
-    output: torch.Tensor | None  # the stage output (or weighted loss on the last stage); None if checkpointed
-    saved_bytes: int  # bytes held from F to B: saved activations, or only the input when checkpointed
-    loss: torch.Tensor | None = None  # unweighted micro-batch loss (last stage)
-    recompute: Callable[[], tuple[torch.Tensor, int]] | None = None  # checkpointed: redo the forward
-    recomputed_bytes: int = 0  # bytes the recomputation saved during the backward
-    sent: torch.Tensor | None = None  # the activation for the next stage (no graph attached)
-    edge: Any = None  # the output's GradientEdge once `release_output` dropped the output
-    weight_work: split_backward.WeightWork | None = None  # a split backward: what B leaves for W
+    def __init__(self, excluded: list[torch.Tensor] = (), observe: Callable[[torch.Tensor], None] | None = None):
+        self.excluded = {_storage_key(plain) for t in excluded for plain in plain_tensors(t)}
+        self.observe = observe
+        self.bytes, self.seen, self.also_excluded = 0, set(), set()
 
+    def exclude(self, *tensors: Any) -> None:
+        """Leave these tensors' storages out until the block ends."""
+        self.also_excluded |= {_storage_key(p) for t in tensors if isinstance(t, torch.Tensor) for p in plain_tensors(t)}
 
-class SavedBytesCounter:
-    """Counts the bytes autograd saves for backward, once per storage, parameters excluded."""
+    def __enter__(self) -> "SavedTensors":
+        self.bytes, self.seen, self.also_excluded = 0, set(), set()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self._hooks.__enter__()
+        return self
 
-    def __init__(self, parameters: list[torch.Tensor], keep: Callable[[torch.Tensor], None] | None = None):
-        self.excluded = {_storage_key(p) for p in parameters}
-        self.seen: set = set()
-        self.bytes = 0
-        self.keep = keep  # told of every storage counted
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
 
-    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
-        for plain in _plain_tensors(tensor):
+    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        for plain in plain_tensors(tensor):
             key = _storage_key(plain)
-            if key not in self.excluded and key not in self.seen:
+            if key not in self.excluded and key not in self.also_excluded and key not in self.seen:
                 self.seen.add(key)
                 self.bytes += plain.untyped_storage().nbytes()
-                if self.keep is not None:
-                    self.keep(plain)
+                if self.observe is not None:
+                    self.observe(plain)
         # detached: the saved object must not hold the tensor itself, else a node that saves its own output
         # (softmax, exp) and that output hold each other, and a graph kept past its backward (retain_graph,
-        # a split backward's B) is never freed (torch.autograd.graph.saved_tensors_hooks, warning)
+        # a split backward's I) is never freed (torch.autograd.graph.saved_tensors_hooks, warning)
         return tensor.detach()
 
-    def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda tensor: tensor)
+
+def _unpack(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
 
 
-def _plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The plain tensors holding `tensor`'s memory: a wrapper subclass (a DTensor under tensor
     parallelism) has no storage of its own, only the tensors it wraps."""
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         inner = [getattr(tensor, name) for name in names]
-        return [t for value in inner if isinstance(value, torch.Tensor) for t in _plain_tensors(value)]
+        return [t for value in inner if isinstance(value, torch.Tensor) for t in plain_tensors(value)]
     return [tensor]
 
 
@@ -98,64 +79,103 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
     return (tensor.device, tensor.untyped_storage().data_ptr())
 
 
-def forward(stage: nn.Module, received: Any, parameters: list[torch.Tensor], is_first: bool,
-            loss_fn: Callable | None = None, target: Any = None, weight: float = 1.0,
-            checkpoint: bool = False, keep: Callable[[torch.Tensor], None] | None = None,
-            fused: FusedAccumulation | None = None) -> InFlight:
-    """Run `stage` on `received`; on the last stage (loss_fn given) also the loss, times `weight`.
+def stage_function(module: Callable, fusion: Any = None,
+                   loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[[Any], tuple]:
+    """What a stage computes: `run(inp)` -> (the blocks' output, and on the last stage `loss(output)`, the
+    micro-batch's mean loss, else None).  `fusion` (a `FusedAccumulation`) is entered around the blocks."""
 
-    `fused` (the stage's `FusedAccumulation`): its Linear layers add their weight gradients into
-    `.grad` inside the multiply (`model/fused_accumulation.py`), in the forward and in a
-    recomputation alike.
+    def run(inp: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        with fusion if fusion is not None else contextlib.nullcontext():
+            output = module(inp)
+        if not isinstance(output, torch.Tensor):
+            raise TypeError(f"a stage returned {type(output).__name__}; pipelab passes one tensor between stages")
+        if loss is None:
+            return output, None
+        value = loss(output)
+        if not isinstance(value, torch.Tensor) or value.dim() != 0:
+            raise TypeError("loss_fn must return a scalar tensor (the mean loss of the micro-batch)")
+        return output, value
 
-    `keep(tensor)` is called on each tensor autograd saves (parameters left out), in the
-    forward and in a checkpointed stage's recomputation; `keep(output, "output")` on the
-    recomputed output.
-    """
+    return run
+
+
+def as_input(received: Any, is_first: bool) -> Any:
+    """What the stage computes from: a received float activation becomes a leaf that requires grad (its
+    gradient is what goes back); the first stage's micro-batch, and integer tensors (token ids), stay as they are."""
     if is_first or not isinstance(received, torch.Tensor) or not received.is_floating_point():
-        inp = received
-    else:
-        inp = received.detach().requires_grad_(True)
+        return received
+    return received.detach().requires_grad_(True)
 
-    def run(exclude: set = frozenset()) -> tuple[torch.Tensor, torch.Tensor | None, int]:
-        counter = SavedBytesCounter(parameters, keep)
-        counter.excluded |= exclude
-        with counter.hooks(), (fused if fused is not None else contextlib.nullcontext()):
-            output = stage(inp)
-            loss = None
-            if loss_fn is not None:
-                loss = loss_fn(output, target)
-                if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-                    raise TypeError("loss_fn must return a scalar tensor (the mean loss of the micro-batch)")
-                output = loss * weight
-        if loss_fn is None:
-            check_activation(output)
-        return output, loss, counter.bytes
 
+@dataclass
+class Held:
+    """What a micro-batch holds on a stage from its F to its backward."""
+
+    input: Any
+    edge: Any = None  # where the backward starts: the output's GradientEdge (None: nothing to differentiate)
+    rebuild: Callable[[], torch.Tensor] | None = None  # a checkpointed stage: runs the forward again
+
+
+@dataclass
+class HeldForW:
+    """What a micro-batch holds on a stage from its I to its W."""
+
+    work: split_backward.WeightWork
+
+
+def forward(run: Callable[[Any], torch.Tensor], inp: Any, checkpoint: bool = False) -> tuple[torch.Tensor, Held]:
+    """`run(inp)` (the stage's blocks, and on the last stage its weighted loss): (output, what it holds).
+
+    Checkpointed, it runs without building a graph and holds only the input and the random state, to
+    run again with the graph at the backward (`Held.rebuild`)."""
     if not checkpoint:
-        output, loss, saved = run()
-        return InFlight(inp, output, saved, loss, sent=None if loss_fn else output.detach())
-    rng = _rng_state(inp)
+        output = run(inp)
+        return output, Held(inp, edge=_edge(output))
+    state = _rng_state(inp)
     with torch.no_grad():
-        output, loss, _ = run()
-    kept = {_storage_key(inp)} if isinstance(inp, torch.Tensor) else set()
-    kept_bytes = inp.untyped_storage().nbytes() if isinstance(inp, torch.Tensor) else 0
+        output = run(inp)
 
-    def recompute() -> tuple[torch.Tensor, int]:
-        with torch.random.fork_rng(devices=rng[1]):
-            _set_rng_state(rng)
-            again, _, saved_again = run(exclude=kept)
-        if keep is not None:
-            keep(again, "output")
-        return again, saved_again
+    def rebuild() -> torch.Tensor:
+        with torch.random.fork_rng(devices=state[1]):
+            _set_rng_state(state)
+            return run(inp)
 
-    return InFlight(inp, None, kept_bytes, loss, recompute, sent=None if loss_fn else output)
+    return output, Held(inp, rebuild=rebuild)
+
+
+def _edge(output: torch.Tensor):
+    return torch.autograd.graph.get_gradient_edge(output) if output.requires_grad else None
+
+
+def backward(held: Held, grad_output: torch.Tensor | None) -> torch.Tensor | None:
+    """B: backpropagate through the stage (accumulating the parameters' grads); return the input's gradient."""
+    root = held.rebuild() if held.rebuild is not None else held.edge
+    if root is None:
+        raise RuntimeError("the stage's output does not require grad: there is nothing to backpropagate")
+    torch.autograd.backward(root, grad_output)
+    return _input_grad(held.input)
+
+
+def input_gradient(held: Held, grad_output: torch.Tensor | None,
+                   parameters: list[torch.Tensor]) -> tuple[torch.Tensor | None, HeldForW]:
+    """I: the input's gradient only (None on a stage whose input needs none), and what W needs."""
+    root = held.rebuild() if held.rebuild is not None else held.edge
+    grad_input, work = split_backward.backward_input(root, grad_output, held.input, parameters)
+    return grad_input, HeldForW(work)
+
+
+def weight_gradient(held: HeldForW) -> None:
+    """W: add the weight gradients I left into the parameters' `.grad`."""
+    split_backward.backward_weight(held.work)
+
+
+def _input_grad(inp: Any) -> torch.Tensor | None:
+    return inp.grad if isinstance(inp, torch.Tensor) and inp.requires_grad else None
 
 
 def _rng_state(inp: Any) -> tuple:
     devices = [inp.device.index] if isinstance(inp, torch.Tensor) and inp.is_cuda else []
-    cuda_states = [torch.cuda.get_rng_state(d) for d in devices]
-    return torch.get_rng_state(), devices, cuda_states
+    return torch.get_rng_state(), devices, [torch.cuda.get_rng_state(d) for d in devices]
 
 
 def _set_rng_state(state: tuple) -> None:
@@ -163,57 +183,3 @@ def _set_rng_state(state: tuple) -> None:
     torch.set_rng_state(cpu_state)
     for device, cuda_state in zip(devices, cuda_states):
         torch.cuda.set_rng_state(cuda_state, device)
-
-
-def check_activation(output: Any) -> None:
-    if not isinstance(output, torch.Tensor):
-        raise TypeError(f"a stage returned {type(output).__name__}; pipelab passes one tensor between stages")
-
-
-def release_output(kept: InFlight) -> None:
-    """Drop the output (and the activation sent on), keeping only the output's GradientEdge.
-
-    Exact: the backward from the edge runs the same graph with the same incoming gradient.
-    An output that does not require grad is left in place (its backward fails as before).
-    """
-    if kept.output is not None and kept.output.requires_grad:
-        kept.edge = torch.autograd.graph.get_gradient_edge(kept.output)
-        kept.output = None
-    kept.sent = None
-
-
-def backward(kept: InFlight, grad_output: torch.Tensor | None) -> torch.Tensor | None:
-    """Backpropagate through the stage (accumulating parameter grads); return the input's gradient."""
-    if kept.recompute is not None:
-        kept.output, kept.recomputed_bytes = kept.recompute()
-    if kept.output is None and kept.edge is not None:
-        torch.autograd.backward(kept.edge, grad_output)
-    elif grad_output is None:
-        kept.output.backward()
-    else:
-        kept.output.backward(grad_output)
-    inp = kept.input
-    if isinstance(inp, torch.Tensor) and inp.requires_grad:
-        return inp.grad
-    return None
-
-
-def backward_input(kept: InFlight, grad_output: torch.Tensor | None, parameters: list[torch.Tensor]) -> torch.Tensor | None:
-    """B of a split backward: return the input's gradient (None on a stage whose input needs none) and keep
-    in `kept.weight_work` what W needs (the graph stays; the output's values are dropped).  A checkpointed
-    stage recomputes its forward first, as `backward` does."""
-    if kept.recompute is not None:
-        kept.output, kept.recomputed_bytes = kept.recompute()
-        kept.recompute = None
-    root = kept.output if kept.output is not None else kept.edge
-    grad_input, kept.weight_work = split_backward.backward_input(root, grad_output, kept.input, parameters)
-    kept.output = kept.edge = None  # the work holds the graph from the output's edge
-    return grad_input
-
-
-def backward_weight(kept: InFlight) -> None:
-    """W of a split backward: add the weight gradients B left to compute into the parameters' `.grad`."""
-    if kept.weight_work is None:
-        raise RuntimeError("W before its B: no input-gradient half has run for this micro-batch")
-    split_backward.backward_weight(kept.weight_work)
-    kept.weight_work = None

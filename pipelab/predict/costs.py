@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Sequence
 
 import torch
@@ -98,33 +99,47 @@ class Costs:
         backward = [[] for _ in range(n)]
         sent, kept, received = [0.0] * n, [0.0] * n, [0.0] * n
         fusions = [FusedAccumulation(stage, list(stage.parameters())) if fused else None for stage in parts.stages]
+        counters = [stage_ops.SavedTensors(list(stage.parameters())) for stage in parts.stages]
+        devices = [next(stage.parameters(), torch.empty(0)).device for stage in parts.stages]
         for _ in range(repeats):
-            activation, flights = inputs, []
+            activation, held = inputs, []
             for s, stage in enumerate(parts.stages):
-                device = next(stage.parameters(), torch.empty(0)).device
-                begin = _now(device)
-                flight = stage_ops.forward(stage, _move(activation, device), list(stage.parameters()), s == 0,
-                                           loss_fn if s == n - 1 else None,
-                                           _move(targets, device) if s == n - 1 else None, fused=fusions[s])
-                forward[s].append(_now(device) - begin)
-                flights.append(flight)
-                if isinstance(flight.input, torch.Tensor):
-                    received[s] = flight.input.untyped_storage().nbytes()
-                kept[s] = flight.saved_bytes
+                inp = stage_ops.as_input(_move(activation, devices[s]), s == 0)
+                loss = partial(_loss_of, loss_fn, target=_move(targets, devices[s])) if s == n - 1 else None
+                run = _as_the_engine_runs(stage_ops.stage_function(stage, fusions[s], loss))
+                begin = _now(devices[s])
+                with counters[s]:  # what the engine counts: the bytes autograd saves during the forward
+                    output, kept_here = stage_ops.forward(run, inp)
+                forward[s].append(_now(devices[s]) - begin)
+                held.append(kept_here)
+                if isinstance(inp, torch.Tensor):
+                    received[s] = inp.untyped_storage().nbytes()
+                kept[s] = counters[s].bytes
                 if s < n - 1:
-                    activation = flight.sent
+                    activation = output.detach()
                     sent[s] = activation.numel() * activation.element_size()
             gradient = None
             for s in range(n - 1, -1, -1):
-                device = flights[s].output.device
-                begin = _now(device)
-                gradient = stage_ops.backward(flights[s], None if gradient is None else gradient.to(device))
-                backward[s].append(_now(device) - begin)
+                begin = _now(devices[s])
+                gradient = stage_ops.backward(held[s], None if gradient is None else gradient.to(devices[s]))
+                backward[s].append(_now(devices[s]) - begin)
         for p, g in zip(model.parameters(), saved_grads):
             p.grad = g
         return cls(forward=[min(t) for t in forward], backward=[min(t) for t in backward],
                    latency=latency, bandwidth=bandwidth, activation_bytes=sent, memory_bytes=kept,
                    input_bytes=received)
+
+
+def _loss_of(loss_fn: Callable, output: torch.Tensor, target: Any) -> torch.Tensor:
+    return loss_fn(output, target)
+
+
+def _as_the_engine_runs(compute: Callable) -> Callable:
+    """The stage's output, or on the last stage its loss times a weight (n_i / N in the engines; 1 here)."""
+    def run(inp):
+        output, loss = compute(inp)
+        return output if loss is None else loss * 1.0
+    return run
 
 
 def _now(device: torch.device) -> float:

@@ -64,6 +64,3 @@ class ActionClock:
             start = host + origin.elapsed_time(begin) / 1e3
             found[action] = (start, start + begin.elapsed_time(end) / 1e3)
         return found
-
-    def durations(self) -> dict[Action, float]:
-        return {a: end - start for a, (start, end) in self.intervals().items()}

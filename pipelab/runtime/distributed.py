@@ -382,7 +382,7 @@ class DistributedPipeline:
         events, waits, messages = [], [], []
         for action, (start, end, wait_start, wait_end, *_rest) in values.items():
             device = device_of[action]
-            events.append(Event(action.stage, action.kind, action.microbatch, start - origin, end - origin, device))
+            events.append(Event(action.kind, action.stage, action.microbatch, start - origin, end - origin, device))
             if not math.isnan(wait_start):
                 waits.append(Wait(device, wait_start - origin, wait_end - origin, action))
                 source = self.p2p.routes.producer(action)

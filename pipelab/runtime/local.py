@@ -25,18 +25,16 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..common.errors import failure
 from ..common.threads import check_threads, intra_op_threads
-from ..model import stage as stage_ops
 from ..model.partition import Partition, split
 from ..predict.memory import activation_samples, checkpoint_plan
-from ..schedules.action import Action
+from ..schedules.action import Action, Kind
 from ..schedules.dependencies import run_dependencies
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Event, MemorySample, Trace
 from .clock import ActionClock
 from .devices import assign_devices
-from .loop import InProcessTransport, run_actions, to_device
+from .loop import InProcessTransport, run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .step import StepResult, check_loss_fn, check_microbatch_count, cut_batch, make_workers, resolve_schedule, step_loss
 
@@ -140,29 +138,42 @@ class Pipeline:
                           sum(trace.durations().values()))
 
     def _warm_up(self, inputs: Any, targets: Any) -> None:
-        """Run one micro-batch forward and backward once, untimed, leaving `.grad` untouched.
+        """Run one micro-batch forward and backward through every stage, untimed, its gradients discarded.
 
-        PyTorch initialises kernels lazily: the first backward of some ops costs hundreds
-        of milliseconds, which would otherwise show up as one giant action in the trace.
+        PyTorch initialises kernels lazily: the first backward of some ops costs hundreds of
+        milliseconds, which would otherwise show up as one giant action in the trace.  The warm-up
+        is a step's own per-stage work (`StageWorker.compute`: fused accumulation, recomputation,
+        the split backward), without the weight stash, whose updates would change the weights.
         """
-        x = to_device(inputs, self.devices[0])
-        last = self.n_stages - 1
-        for s, (stage, device) in enumerate(zip(self.partition.stages, self.devices)):
-            inp = x.to(device) if isinstance(x, torch.Tensor) else x
-            if s > 0 and isinstance(inp, torch.Tensor) and inp.is_floating_point():
-                inp = inp.detach().requires_grad_(True)
-            try:
-                out = stage(inp)
-                stage_ops.check_activation(out)
-                if s == last:
-                    out = self.loss_fn(out, to_device(targets, device))
-            except Exception as error:
-                raise failure(error, self.workers[s].explain(Action("F", s, 0), inp, error)) from error
-            wrt = [t for t in [inp, *stage.parameters()] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if wrt:
-                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
-            x = out.detach()
+        grads = [(p, p.grad) for p in self.parameters()]
+        stashes = {s: worker.stash for s, worker in self.workers.items()}
+        try:
+            for worker in self.workers.values():
+                worker.stash = None
+                worker.start_step([inputs], [targets], [1.0])
+            message = None
+            for s in range(self.n_stages):
+                message = self._warm_up_action(Action(Kind.F, s, 0), message)
+            for s in reversed(range(self.n_stages)):
+                if self.workers[s].splits_backward:
+                    gradient = self._warm_up_action(Action(Kind.I, s, 0), message)
+                    self._warm_up_action(Action(Kind.W, s, 0), None)
+                else:
+                    gradient = self._warm_up_action(Action(Kind.B, s, 0), message)
+                message = gradient
+        finally:
+            for s, worker in self.workers.items():
+                worker.stash = stashes[s]
+            for p, grad in grads:
+                p.grad = grad
         self.warmed_up = True
+
+    def _warm_up_action(self, action: Action, message: Any) -> Any:
+        worker = self.workers[action.stage]
+        if isinstance(message, torch.Tensor):
+            message = message.to(worker.device)
+        with worker.saved:
+            return worker.compute(action, message)
 
     def _trace(self, clock: ActionClock, observer: MemoryObserver) -> Trace:
         intervals = clock.intervals()
@@ -179,7 +190,7 @@ class Pipeline:
                                       duration=lambda a: intervals[a][1] - intervals[a][0] - own.get(a, 0.0))
             start, end, source = timing.start, timing.end, "replayed"
         device_of_stage = self.schedule.device_of_stage()
-        events = [Event(a.stage, a.kind, a.microbatch, start[a], end[a], device_of_stage[a.stage]) for a in self.order]
+        events = [Event(a.kind, a.stage, a.microbatch, start[a], end[a], device_of_stage[a.stage]) for a in self.order]
         workers = self.workers
         memory = activation_samples(events, lambda s, i: workers[s].saved_bytes[i],
                                     lambda s, i: workers[s].recomputed_bytes.get(i, 0), self.schedule.n_devices)

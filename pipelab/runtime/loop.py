@@ -62,28 +62,33 @@ class StageWorker:
         self.index, self.module, self.bounds, self.n_stages = index, module, bounds, n_stages
         self.loss_fn, self.checkpoint, self.device, self.rank = loss_fn, checkpoint, device, rank
         self.splits_backward, self.stash = splits_backward, stash
-        self.parameters = list(module.parameters())
         fuse = fused_accumulation and not splits_backward and stash is None
-        self.fusion = FusedAccumulation(module, self.parameters) if fuse else None
+        self.fusion = FusedAccumulation(module, list(module.parameters())) if fuse else None
         self.is_first, self.is_last = index == 0, index == n_stages - 1
-        self.free_outputs = True  # keep only the output's GradientEdge after F (stage.release_output)
-        self.observer: MemoryObserver | None = None
+        self.use_parameters(list(module.parameters()))
         self.run = {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._input_gradient,
                     Kind.W: self._weight_gradient}
+
+    def use_parameters(self, parameters: list[torch.Tensor]) -> None:
+        """The tensors this stage's weights live in (a tensor-parallel rank's shards): what the split backward
+        differentiates, and what the saved bytes leave out."""
+        self.parameters = parameters
+        self.saved = stage_ops.SavedTensors(parameters)  # the loop enters it around each action (`run_actions`)
 
     def start_step(self, input_chunks: list, target_chunks: list, weights: list[float],
                    observer: MemoryObserver | None = None) -> None:
         """Take this step's micro-batches (used by the first stage) and targets (by the last)."""
         self.inputs, self.targets, self.weights = input_chunks, target_chunks, weights
-        self.observer = observer
         self.keep = None if observer is None else partial(observer.keep, self.index)
-        self.kept: dict[int, stage_ops.InFlight] = {}  # mb -> what it holds from F to B (to W if split)
-        self.saved_bytes: dict[int, int] = {}  # mb -> bytes held from F to B (to W if split)
-        self.recomputed_bytes: dict[int, int] = {}  # mb -> bytes held during B only (checkpointed)
+        self.saved.observe = self.keep  # told of every storage autograd saves
+        self.held: dict[int, stage_ops.Held | stage_ops.HeldForW] = {}  # mb -> what it holds until released
+        self.saved_bytes: dict[int, int] = {}  # mb -> bytes held from F to its release ("counted")
+        self.recomputed_bytes: dict[int, int] = {}  # mb -> bytes held during its backward only (checkpointed)
         self.losses: dict[int, torch.Tensor] = {}  # mb -> unweighted loss (last stage)
 
     def compute(self, action: Action, message: Any) -> torch.Tensor | None:
-        """Run `action` on `message` (None where there is nothing to receive); return what to send on."""
+        """Run `action` on `message` (None where there is nothing to receive); return what to send on.
+        Called inside `self.saved` (the loop enters it), which counts what autograd saves meanwhile."""
         try:
             return self.run[action.kind](action.microbatch, message)
         except PipelineError:
@@ -92,66 +97,82 @@ class StageWorker:
             arrived = (self.inputs[action.microbatch] if self.is_first else message) if action.kind is Kind.F else None
             raise failure(error, self.explain(action, arrived, error)) from error
 
-    def _forward(self, i: int, message: Any) -> torch.Tensor | None:
-        keep = self.keep
-        arrived = to_device(self.inputs[i], self.device) if self.is_first else message
-        if keep is not None:
-            keep(arrived, "input")
-        module, parameters = self.module, self.parameters
+    def _note(self, tensor: Any, why: str) -> None:
+        if self.keep is not None:
+            self.keep(tensor, why)
+
+    def _stage_function(self, i: int) -> Callable[[Any], torch.Tensor]:
+        """What F(i) computes from the stage's input: its blocks (with the version a stash gives micro-batch
+        i), and on the last stage the loss of micro-batch i times its weight n_i / N."""
+        module = self.module
         if self.stash is not None:  # the live version of the moment, stashed for this micro-batch's B
             weights = self.stash.for_forward(i)
-            module, parameters = partial(functional_call, self.module, weights), list(weights.values())
-        flight = stage_ops.forward(
-            module, arrived, parameters, is_first=self.is_first,
-            loss_fn=self.loss_fn if self.is_last else None,
-            target=to_device(self.targets[i], self.device) if self.is_last else None,
-            weight=self.weights[i], checkpoint=self.checkpoint, keep=keep,
-            fused=self.fusion,
-        )
-        self.kept[i], self.saved_bytes[i] = flight, flight.saved_bytes
-        sent = flight.sent
-        if keep is not None:
-            keep(flight.output if flight.output is not None else sent, "output")
-        if self.free_outputs:
-            stage_ops.release_output(flight)
+            self.saved.exclude(*weights.values())
+            module = partial(functional_call, self.module, weights)
+        loss = None
         if self.is_last:
-            self.losses[i] = flight.loss.detach()
-            return None
-        return sent
+            target = to_device(self.targets[i], self.device)
+            loss = partial(_loss_of, self.loss_fn, target=target)
+        compute = stage_ops.stage_function(module, self.fusion, loss)
+
+        def run(inp: Any) -> torch.Tensor:
+            output, loss = compute(inp)
+            if loss is not None:  # the loss is taken here, weighted by the micro-batch's share n_i / N
+                self.losses[i] = loss.detach()
+                output = loss * self.weights[i]
+            self._note(output, "output")  # until sent (the first run), or until the backward (a recomputation)
+            return output
+
+        return run
+
+    def _forward(self, i: int, message: Any) -> torch.Tensor | None:
+        inp = stage_ops.as_input(to_device(self.inputs[i], self.device) if self.is_first else message, self.is_first)
+        self._note(inp, "input")
+        output, self.held[i] = stage_ops.forward(self._stage_function(i), inp, self.checkpoint)
+        held_input = isinstance(inp, torch.Tensor) and self.checkpoint
+        self.saved_bytes[i] = inp.untyped_storage().nbytes() if held_input else self.saved.bytes
+        return None if self.is_last else output.detach()
+
+    def _recomputing(self, i: int) -> stage_ops.Held:
+        """Micro-batch i's `Held`, its input left out of the backward's count (already held since F)."""
+        held = self.held[i]
+        self.saved.exclude(held.input)
+        if self.stash is not None:  # a recomputation runs on the stashed weights: weights, not activations
+            self.saved.exclude(*self.stash.weights_of(i).values())
+        return held
 
     def _backward(self, i: int, message: Any) -> torch.Tensor | None:
         """B: the whole backward; the stage is then done with micro-batch i."""
-        if self.keep is not None:
-            self.keep(message, "received")
-        flight = self.kept.pop(i)
-        gradient = stage_ops.backward(flight, message)
+        self._note(message, "received")
+        held = self._recomputing(i)
+        gradient = self._gradient_to_send(stage_ops.backward(held, message))  # noted while the input is held
+        del self.held[i]
         if self.stash is not None:  # the gradients onto the live weights; maybe an update
             self.stash.after_backward(i)
-        self.recomputed_bytes[i] = flight.recomputed_bytes
-        return self._gradient_to_send(gradient)
+        self.recomputed_bytes[i] = self.saved.bytes
+        return gradient
 
     def _input_gradient(self, i: int, message: Any) -> torch.Tensor | None:
         """I: the input's gradient only; the micro-batch stays for its W."""
-        if self.keep is not None:
-            self.keep(message, "received")
-        flight = self.kept[i]
-        gradient = stage_ops.backward_input(flight, message, self.parameters)
-        if self.keep is not None:
-            for recorded in flight.weight_work.recorded_gradients():
-                self.keep(recorded, "gradient")  # held until W
-        self.recomputed_bytes[i] = flight.recomputed_bytes
-        return self._gradient_to_send(gradient)
+        self._note(message, "received")
+        held = self._recomputing(i)
+        gradient, for_w = stage_ops.input_gradient(held, message, self.parameters)
+        gradient = self._gradient_to_send(gradient)  # noted while the input is held
+        for recorded in for_w.work.recorded_gradients():
+            self._note(recorded, "gradient")  # held until W
+        self.held[i] = for_w  # from here on, only what W needs
+        self.recomputed_bytes[i] = self.saved.bytes
+        return gradient
 
     def _weight_gradient(self, i: int, message: Any) -> None:
         """W: the weight gradients I left; the stage is then done with micro-batch i."""
-        stage_ops.backward_weight(self.kept.pop(i))
+        stage_ops.weight_gradient(self.held.pop(i))
         return None
 
     def _gradient_to_send(self, gradient: torch.Tensor | None) -> torch.Tensor | None:
         if self.is_first:
             return None
-        if self.keep is not None:
-            self.keep(gradient, "gradient")
+        self._note(gradient, "gradient")
         return gradient
 
     def explain(self, action: Action, arrived: Any, error: Exception) -> str:
@@ -166,6 +187,10 @@ class StageWorker:
             if hint:
                 text += f"\n  {hint}"
         return text
+
+
+def _loss_of(loss_fn: Callable, output: torch.Tensor, target: Any) -> torch.Tensor:
+    return loss_fn(output, target)
 
 
 def _shape_hint(module: nn.Module, first_block: int, arrived: Any, from_stage: int | None, stage: int) -> str:
@@ -232,15 +257,16 @@ def run_actions(schedule: Schedule, actions: Iterable[Action], workers: dict[int
         message = transport.receive(action)
         clock.begin(action, worker.device)
         if observer is not None:  # its window inside the clock's: on a CPU no change falls outside the action
-            observer.begin(action, worker.device)
+            observer.begin(action)
         try:
-            out = worker.compute(action, message)
+            with worker.saved:  # a saved_tensors_hooks context: counts, and tells the observer, what autograd saves
+                out = worker.compute(action, message)
         except PipelineError as error:
             error.args = (f"{error}\n{marked_list(schedule, action)}", *error.args[1:])
             raise
         message = None  # a received gradient is used up: free it inside its action
         if observer is not None:
-            observer.end(action, worker.device)
+            observer.end(action)
         clock.end(action, worker.device)
         transport.send(action, out)
         out = None

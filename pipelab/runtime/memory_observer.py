@@ -60,7 +60,7 @@ from typing import Any
 
 import torch
 
-from ..model.stage import _plain_tensors
+from ..model.stage import plain_tensors
 from ..schedules.action import Action
 from ..schedules.trace import MemorySample
 
@@ -77,7 +77,7 @@ class MemoryObserver:
     def __init__(self, device_of_stage: dict[int, int], excluded: list[torch.Tensor] = ()):
         self.device_of_stage = device_of_stage
         # parameters: not activations (autograd's saved tensors come already without them, `stage.SavedBytesCounter`)
-        self.excluded = {plain.untyped_storage().data_ptr() for t in excluded for plain in _plain_tensors(t)}
+        self.excluded = {plain.untyped_storage().data_ptr() for t in excluded for plain in plain_tensors(t)}
         # the changes, in four flat lists of numbers (nothing for the cyclic GC to track and collect
         # in the middle of an action): host seconds, device, +bytes or -bytes, reason index
         self.times: list[float] = []
@@ -112,7 +112,7 @@ class MemoryObserver:
         if not isinstance(tensor, torch.Tensor):
             return
         device, reason = self.device_of_stage[stage], REASON_INDEX[why]
-        for plain in _plain_tensors(tensor):  # a DTensor: its memory is the tensors it wraps
+        for plain in plain_tensors(tensor):  # a DTensor: its memory is the tensors it wraps
             storage = plain.untyped_storage()
             pointer = storage.data_ptr()
             if pointer == 0 or pointer in self.excluded:  # no bytes (empty, or on the meta device), or a parameter
@@ -150,11 +150,11 @@ class MemoryObserver:
         """(host seconds, device, +bytes or -bytes, reason index) of every change, in order."""
         return list(zip(self.times, self.devices, self.deltas, self.reasons))
 
-    def begin(self, action: Action, device: torch.device | None = None) -> None:
-        """`action`'s host window opens (`device`: as `ActionClock.begin`, not read; the clock reads the allocator)."""
+    def begin(self, action: Action) -> None:
+        """`action`'s host window opens."""
         self._began = (time.perf_counter(), self.spent)
 
-    def end(self, action: Action, device: torch.device | None = None) -> None:
+    def end(self, action: Action) -> None:
         began, spent = self._began
         self.windows.append((began - spent, time.perf_counter() - self.spent, action))  # on the observer-free clock
         self.own[action] = self.spent - spent

@@ -52,6 +52,10 @@ class WeightStash:
         self.peak_versions = max(self.peak_versions, len(self.copies))
         return self.copies[self.version]
 
+    def weights_of(self, microbatch: int) -> dict[str, torch.Tensor]:
+        """The stashed weights micro-batch `microbatch`'s F ran with (its B differentiates them)."""
+        return self.copies[self.used_by[microbatch]]
+
     def after_backward(self, microbatch: int) -> None:
         """Move B(s, `microbatch`)'s gradients onto the live weights; every `update_every`-th B, update them."""
         stashed = self.copies[self.used_by.pop(microbatch)]

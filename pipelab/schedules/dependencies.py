@@ -123,7 +123,7 @@ def run_dependencies(schedule: "Schedule", duration: Duration, links: Sequence[f
             else:
                 ready_at = start + seconds_of(action)
                 end[action] = ready_at
-                events.append(Event(stage, kind, mb, start, ready_at, device))
+                events.append(Event(kind, stage, mb, start, ready_at, device))
                 k += 1
                 runnable.extend(parked.pop(action, ()))
                 continue

@@ -78,11 +78,27 @@ class Schedule:
         ``.`` is a step in which that device idles (the bubble).  A cell names the stage
         only when it is not the row's own (``F3`` on row 2 means ``2F3``).
         """
-        return _unit_time_grid(self)
+        grid = self.grid()
+        width = max((len(cell) for line in grid for cell in line), default=1)
+        label_width = len(str(self.n_devices - 1))
+        lines = []
+        for device, cells in enumerate(grid):
+            body = " ".join(cell.ljust(width) for cell in cells).rstrip()
+            lines.append(f"device {device:>{label_width}} | {body}".rstrip())
+        return "\n".join(lines)
 
     def grid(self) -> list[list[str]]:
         """The cells of `to_text()`: ``grid()[d][t]`` is device d's cell in time step t (``"."`` = idle)."""
-        return [line.split("|", 1)[1].split() for line in self.to_text().splitlines()]
+        check_structure(self)  # names a missing, repeated or out-of-range action
+        timing = run_dependencies(self, duration=lambda a: 1.0)
+        if timing.stuck:
+            stuck = ", ".join(f"device {d} at {a} (waits for {n})" for d, (a, n) in sorted(timing.stuck.items()))
+            raise ScheduleError(f"cannot draw a schedule that deadlocks: {stuck}; run pl.schedules.validate for details")
+        grid = [["."] * int(round(timing.makespan)) for _ in range(self.n_devices)]
+        for event in timing.events:
+            own = event.stage == event.device
+            grid[event.device][int(round(event.start))] = f"{event.kind.value}{event.microbatch}" if own else str(event.action)
+        return grid
 
     def message_count(self) -> int:
         """Messages one step sends between devices: every result whose consumer stage is on another device
@@ -216,26 +232,3 @@ def _check_complete(schedule: Schedule) -> None:
                            "and its weight-gradient W there" if split
                            else "every micro-batch needs a forward and a backward on every stage")
                     raise ScheduleError(f"missing action {action} ({action.describe()}): {why}")
-
-
-def _unit_time_grid(schedule: Schedule) -> str:
-    """Draw `schedule` with every action one time step long (see `Schedule.to_text`)."""
-    check_structure(schedule)  # names a missing, repeated or out-of-range action
-    timing = run_dependencies(schedule, duration=lambda a: 1.0)
-    if timing.stuck:
-        stuck = ", ".join(f"device {d} at {a} (waits for {n})" for d, (a, n) in sorted(timing.stuck.items()))
-        raise ScheduleError(f"cannot draw a schedule that deadlocks: {stuck}; run pl.schedules.validate for details")
-    steps = int(round(timing.makespan))
-    grid = [["."] * steps for _ in range(schedule.n_devices)]
-    for device, row in enumerate(schedule.actions):
-        for action in row:
-            if action in timing.start:
-                label = str(action) if action.stage != device else f"{action.kind.value}{action.microbatch}"
-                grid[device][int(round(timing.start[action]))] = label
-    width = max((len(cell) for line in grid for cell in line), default=1)
-    label_width = len(str(schedule.n_devices - 1))
-    lines = []
-    for device, cells in enumerate(grid):
-        body = " ".join(cell.ljust(width) for cell in cells).rstrip()
-        lines.append(f"device {device:>{label_width}} | {body}".rstrip())
-    return "\n".join(lines)

@@ -44,8 +44,10 @@ SOURCE_LABELS = {
 
 
 class Event(NamedTuple):
-    stage: int
+    """One action as it ran: its fields first, in `Action`'s order, then when and where."""
+
     kind: Kind
+    stage: int
     microbatch: int
     start: float  # seconds from the start of the step
     end: float
@@ -61,7 +63,6 @@ class Event(NamedTuple):
 
 
 MEMORY_KINDS = ("counted", "observed", "allocated", "allocated_peak")
-LEGACY_MEMORY_KINDS = {"activations": "counted"}  # the name "counted" had before
 
 
 class MemorySample(NamedTuple):
@@ -72,8 +73,7 @@ class MemorySample(NamedTuple):
 
 
 def memory_kind(what: str) -> str:
-    """`what` checked against MEMORY_KINDS ("activations", the old name of "counted", is accepted)."""
-    what = LEGACY_MEMORY_KINDS.get(what, what)
+    """`what` checked against MEMORY_KINDS."""
     if what not in MEMORY_KINDS:
         raise ValueError(f"memory samples are one of {list(MEMORY_KINDS)}, got {what!r}")
     return what
@@ -122,8 +122,8 @@ class Trace:
     def __post_init__(self) -> None:
         if self.source not in SOURCE_LABELS:
             raise ValueError(f"Trace.source must be one of {sorted(SOURCE_LABELS)}, got {self.source!r}")
-        if any(s.what not in MEMORY_KINDS for s in self.memory):
-            self.memory = [s._replace(what=memory_kind(s.what)) for s in self.memory]
+        for sample in self.memory:
+            memory_kind(sample.what)
 
     @property
     def source_label(self) -> str:

@@ -120,8 +120,7 @@ def _memory_curves(trace: Trace, origin: float, scale: float, end: float, unit_b
     """device -> (times, levels) of its `what` samples as a step function, up to `end`.
 
     Sorted by time only: samples at the same time keep the order they were recorded in
-    (the last is the level held from then on).  A trace's samples are named by MEMORY_KINDS
-    (`Trace` renames the old "activations" to "counted")."""
+    (the last is the level held from then on).  A trace's samples are named by MEMORY_KINDS."""
     samples: dict[int, list] = {}
     for s in trace.memory:
         if s.what == what:
