@@ -142,3 +142,19 @@ def gloo_connections(measure: bool = False) -> tuple:
             after = _io_thread_wakeups()
             bursts.append({thread: after[thread] - before[thread] for thread in after})
     return os.environ.get("GLOO_SOCKET_IFNAME"), len(_io_thread_wakeups()), bursts
+
+
+def shifted_clock(seconds: float) -> dict:
+    """Rank 1's clock runs `seconds` ahead (its perf_counter shifted, as another machine's would be); one 1F1B
+    step of the MLP, then what rank 0 sees: the offset estimate and the trace's events and messages."""
+    import time
+
+    if dist.get_rank() == 1:
+        real = time.perf_counter
+        time.perf_counter = lambda: real() + seconds
+    model = pl.models.mlp(depth=4, width=64, seed=0)
+    x, y = pl.models.sample_batch(model, 16)
+    pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    trace = pipe.step(x, y).trace
+    return {"offset": pipe.clock_offset, "error": pipe.clock_error, "events": trace.events,
+            "messages": trace.messages}

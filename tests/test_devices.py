@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipelab.common.errors import PipelineError
+import pipelab as pl
+from pipelab.runtime import local
 from pipelab.runtime.devices import assign_devices
 
 CPU = torch.device("cpu")
@@ -98,3 +99,32 @@ def test_device_types_pipelab_cannot_run_on(name):
 def test_devices_of_the_wrong_type(bad):
     with pytest.raises(TypeError, match=r"devices must be 'auto', a device name or a list"):
         assign_devices(bad, 2)
+
+
+def test_auto_places_interleaved_stages_where_the_schedule_puts_them(fake_gpus):
+    """Interleaved 1F1B puts stage s on device s mod p: with "auto", stage s goes to that device's GPU, not to
+    a contiguous block of stages (which would move every chunk's message across GPUs the schedule did not plan)."""
+    schedule = pl.schedules.interleaved_1f1b(2, 4, 2)  # 4 stages on 2 devices: 0, 1, 0, 1
+    where = schedule.device_of_stage()
+    stages = [where[s] for s in range(schedule.n_stages)]
+    for n_gpus in (2, 4):
+        fake_gpus(n_gpus)
+        assert assign_devices("auto", stages) == [torch.device("cuda", d) for d in (0, 1, 0, 1)]
+    fake_gpus(1)
+    assert assign_devices("auto", stages) == [torch.device("cuda", 0)] * 4
+    fake_gpus(4)  # 8 schedule devices on 4 GPUs: neighbours share
+    assert [d.index for d in assign_devices("auto", list(range(8)))] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_the_local_engine_places_stages_by_the_schedules_devices(monkeypatch):
+    seen = []
+
+    def record(devices, stages):
+        seen.append(stages)
+        return [torch.device("cpu")] * len(stages)
+
+    monkeypatch.setattr(local, "assign_devices", record)
+    model = pl.models.mlp(depth=8, width=8)
+    pl.Pipeline(model, n_stages=4, n_microbatches=4, schedule=pl.schedules.interleaved_1f1b(2, 4, 2),
+                loss_fn=torch.nn.MSELoss())
+    assert seen == [[0, 1, 0, 1]]

@@ -16,6 +16,7 @@ import pipelab as pl
 from distributed_cases import BATCH, make_model, unusual_schedules
 
 import distributed_cases as cases
+from pipelab.schedules.routes import Routes
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -111,6 +112,25 @@ def test_clock_offsets_are_within_their_error_of_zero_on_one_machine():
     assert offsets[0] == (0.0, 0.0)
     for offset, error in offsets[1:]:
         assert 0 < error < 0.01 and abs(offset) <= error
+
+
+def test_a_rank_whose_clock_runs_a_second_ahead_still_gives_a_trace_that_keeps_every_dependency():
+    """On one machine the offsets are ~0, so a sign error would go unseen: shift rank 1's clock by a second.
+    The estimate must find -1 s, and on rank 0's clock every action that receives a message starts after
+    its producer ended (within the estimate's error), every message arrives after it was sent."""
+    shifted = pl.distributed.launch(cases.shifted_clock, 2, 1.0, timeout_seconds=120)[1]
+    assert shifted["offset"] == pytest.approx(-1.0, abs=0.01)
+    slack = 2 * shifted["error"] + 1e-6
+    end = {e.action: e.end for e in shifted["events"]}
+    routes = Routes(pl.schedules.one_f_one_b(2, 4))
+    checked = 0
+    for e in shifted["events"]:
+        source = routes.producer(e.action)
+        if source is not None:
+            assert e.start >= end[source] - slack, (e, source, end[source])
+            checked += 1
+    assert checked == 2 * 4
+    assert all(m.received >= m.sent - slack for m in shifted["messages"])
 
 
 @pytest.mark.parametrize("mistake,expected", [

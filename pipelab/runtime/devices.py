@@ -6,17 +6,21 @@ import torch
 
 
 
-def assign_devices(devices, n_stages: int) -> list[torch.device]:
+def assign_devices(devices, stages: int | list[int]) -> list[torch.device]:
     """Resolve `devices` ("auto", "cpu", "cuda", "cuda:1" or a list, one per stage) to one device per stage.
 
-    "auto" with g GPUs and p stages: stage s runs on cuda:s when g >= p, else on
-    cuda:floor(s * g / p) (neighbouring stages share a GPU); CPU when there is no GPU.
+    `stages`: the number of stages, one per schedule device, or the schedule's device of each
+    stage (`Schedule.device_of_stage`; interleaved 1F1B puts stage s on device s mod p).
+    "auto" with g GPUs and D schedule devices: schedule device d runs on cuda:d when g >= D,
+    else on cuda:floor(d * g / D) (neighbouring devices share a GPU); CPU when there is no GPU.
     """
+    device_of_stage = list(range(stages)) if isinstance(stages, int) else list(stages)
+    n_stages, n_devices = len(device_of_stage), max(device_of_stage, default=-1) + 1
     if isinstance(devices, str) and devices == "auto":
         n_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n_gpus == 0:
             return [torch.device("cpu")] * n_stages
-        return [torch.device("cuda", s if n_gpus >= n_stages else s * n_gpus // n_stages) for s in range(n_stages)]
+        return [torch.device("cuda", d if n_gpus >= n_devices else d * n_gpus // n_devices) for d in device_of_stage]
     if isinstance(devices, (str, torch.device)):
         chosen = [_parse(devices)] * n_stages
     elif isinstance(devices, (list, tuple)):

@@ -87,7 +87,8 @@ class Pipeline:
         self.n_stages, self.n_microbatches = n_stages, n_microbatches
         self.schedule = resolve_schedule(schedule, n_microbatches, n_stages=n_stages)
         self.checkpoint = checkpoint_plan(checkpoint, n_stages)
-        self.devices = assign_devices(devices, n_stages)
+        where = self.schedule.device_of_stage()
+        self.devices = assign_devices(devices, [where[s] for s in range(n_stages)])
         for stage, device in zip(self.partition.stages, self.devices):
             stage.to(device)
         self.workers = make_workers(self.schedule, self.partition, list(range(n_stages)), loss_fn, self.checkpoint,

@@ -103,6 +103,24 @@ def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     return tuple(values[2:2 + values[1]]), DTYPES[values[0]]
 
 
+def incoming(schedule: Schedule, rank: int) -> dict[int, list[tuple[Action, Action]]]:
+    """{sending rank: [(its producing action, this rank's consumer), ...]} in the order the SENDER runs them.
+
+    Receives are posted in this order: NCCL matches the messages between two ranks by order, so
+    posting them in the receiver's own order would hang as soon as the two orders differ (a
+    V-shaped table, where a rank's two stages talk to one neighbour in both directions)."""
+    routes, device_of_stage = Routes(schedule), schedule.device_of_stage()
+    found: dict[int, list[tuple[Action, Action]]] = defaultdict(list)
+    for sender, row in enumerate(schedule.actions):
+        if sender == rank:
+            continue
+        for action in row:
+            target = routes.consumer_stage(action)
+            if target is not None and device_of_stage[target] == rank:
+                found[sender].append((action, routes.consumer(action)))
+    return found
+
+
 class _Incoming:
     """One message this rank will receive from another, and the state of its receive."""
 
@@ -123,14 +141,8 @@ class PointToPointTransport:
         self.device_of_stage = schedule.device_of_stage()
         self.routes = Routes(schedule)
         # per sending rank, the messages it sends to this rank, in its order
-        self.channels: dict[int, list[_Incoming]] = defaultdict(list)
-        for sender, row in enumerate(schedule.actions):
-            if sender == rank:
-                continue
-            for action in row:
-                target = self.routes.consumer_stage(action)
-                if target is not None and self.device_of_stage[target] == rank:
-                    self.channels[sender].append(_Incoming(action, self.routes.consumer(action)))
+        self.channels = {sender: [_Incoming(source, consumer) for source, consumer in messages]
+                         for sender, messages in incoming(schedule, rank).items()}
         self.known_shapes: dict[tuple, tuple] = {}  # (boundary stage, input signature) -> (shape, dtype)
         self.headers_sent: set[tuple] = set()
         self.observer = None  # a MemoryObserver, told of each receive buffer when it is posted
