@@ -11,7 +11,7 @@ import matplotlib.text
 import pytest
 
 import pipelab as pl
-from pipelab.schedules.trace import Event, MemorySample, Trace
+from pipelab.schedules.trace import MemorySample, Trace
 from pipelab.show.widgets import explorer_figures, explorer_view
 
 SIZES = [(1, 1), (2, 8), (4, 8), (8, 64), (16, 64)]  # (p, m)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 
 
-
 def assign_devices(devices, stages: int | list[int]) -> list[torch.device]:
     """Resolve `devices` ("auto", "cpu", "cuda", "cuda:1" or a list, one per stage) to one device per stage.
 

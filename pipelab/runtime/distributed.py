@@ -9,14 +9,11 @@ with `dist.isend` / `dist.irecv` (`runtime/p2p.py`).
 
 Timing is the wall clock of each rank, put on rank 0's clock by the offset
 `clock_sync.estimate_offset` measured when the pipeline is created.  At the end of each
-step the ranks exchange what they recorded (a small float64 table: each action's start
-and end, its wait for a message, when it sent its result, the bytes it kept, and the last
-stage's micro-batch losses; then each rank's observed memory changes,
-`runtime/memory_observer.py`: receive buffers from when they are posted, sends until they
-have gone), so **every rank returns the same complete Trace and the same loss**.  One
-exchange per step (`_gather_step`): on gloo each rank sends its table straight to every
-other (`p2p.exchange`: one hop after the last rank finishes, where gloo's ring all_gather
-takes p - 1); on NCCL, one `all_gather`.
+step the ranks exchange what they recorded (`runtime/exchange.py`: each action's times,
+its wait for a message, the bytes it kept, the losses, the observed memory changes), so
+**every rank returns the same complete Trace and the same loss**.  The step's preparation
+and its loss are the local engine's (`runtime/step.py`); a hybrid layout adds tensor and
+data parallelism around it (`runtime/hybrid.py`).
 """
 
 from __future__ import annotations
@@ -24,8 +21,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-import warnings
 import time
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -33,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common.errors import PipelineError
-from ..common.threads import check_threads, intra_op_threads
 from ..common.gc_pause import gc_paused
+from ..common.threads import check_threads, intra_op_threads
 from ..model import microbatch
 from ..model.partition import Partition, balanced_bounds, split
 from ..predict.layout import Layout
@@ -45,6 +42,7 @@ from ..schedules.trace import Event, Message, Trace, Wait
 from . import checkpoint, comm_count
 from .clock import ActionClock
 from .clock_sync import estimate_offset
+from .exchange import COLUMNS, StepExchange, StepRecord
 from .hybrid import (
     HybridMesh,
     ScatterGatherTransport,
@@ -57,9 +55,15 @@ from .hybrid import (
 from .loop import run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .p2p import PointToPointTransport
-from .step import StepResult, check_loss_fn, check_microbatch_count, cut_batch, make_workers, resolve_schedule, step_loss
-
-COLUMNS = ("start", "end", "wait_start", "wait_end", "sent", "saved_bytes", "recomputed_bytes", "loss")
+from .step import (
+    StepResult,
+    check_loss_fn,
+    check_microbatch_count,
+    cut_batch,
+    make_workers,
+    resolve_schedule,
+    step_loss,
+)
 
 
 class DistributedPipeline:
@@ -184,7 +188,8 @@ class DistributedPipeline:
                 self.workers[s].parameters = [local_shard(p) for p in self.partition.stages[s].parameters()]
             self.transport = ScatterGatherTransport(self.p2p, self.hybrid.group("tp"), self.layout.tp, self.tp_index)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
-        self.observed_room = 0  # rows for observed memory changes in the step's one exchange (`_gather_step`)
+        self.exchange = StepExchange(self.group, self.rank, self.world_size, self.device, self.backend,
+                                     self.p2p.exchange_tag, n_rows=max(map(len, self.schedule.actions)))
 
     def _split_by_time(self, model: nn.Module, sample: Any) -> Partition:
         """Rank 0 times every block; the costs are broadcast, so every rank computes the same cut."""
@@ -288,23 +293,22 @@ class DistributedPipeline:
         self.p2p.observer = observer  # before start_step, which posts the first receives
         self.p2p.start_step([_signature(chunk) for chunk in input_chunks])
         clock = ActionClock([self.device])
-        if self.backend == "gloo":  # the end-of-step exchange's receives, posted now (`p2p.exchange`)
-            self.p2p.post_exchange(self._step_table_rows() * len(COLUMNS) + self.observed_room * 4 + 1)
+        self.exchange.post()  # gloo: the end-of-step exchange's receives, posted now
 
         step_begin = time.perf_counter()
         with gc_paused():  # a full collection (~25 ms with torch loaded) on one rank would stall the others
             run_actions(self.schedule, self.schedule.actions[self.rank], self.workers, self.transport, clock, observer)
             self.p2p.finish()
         observer.close()
-        table, observed = self._gather_step(self._record(clock), self._place_observed(observer, clock))
+        records = self.exchange.gather(StepRecord(self._record(clock), self._place_observed(observer, clock)))
         wall_seconds = time.perf_counter() - step_begin
 
-        trace, losses = self._trace(table, observed)
+        trace, losses = self._trace(records)
         return StepResult(step_loss(weights, losses, self.asynchronous), trace, losses, wall_seconds,
                           sum(trace.durations().values()))
 
-    def _record(self, clock: ActionClock) -> torch.Tensor:
-        """This rank's row of the step table: one line per action, the COLUMNS, times on rank 0's clock."""
+    def _record(self, clock: ActionClock) -> list[list[float]]:
+        """This rank's rows of the step: one per action of its list (`exchange.COLUMNS`), on rank 0's clock."""
         intervals, waits, sent = clock.intervals(), self.p2p.waits, self.p2p.sent_at
         offset = self.clock_offset
         rows = []
@@ -317,12 +321,7 @@ class DistributedPipeline:
                          sent.get(action, math.nan) + offset,
                          worker.saved_bytes[i] if action.kind is Kind.F else math.nan,
                          worker.recomputed_bytes.get(i, 0) if action.kind in GRADIENT_KINDS else math.nan, float(loss)])
-        rows += [[math.nan] * len(COLUMNS)] * (self._step_table_rows() - len(rows))
-        return torch.tensor(rows, dtype=torch.float64)
-
-    def _step_table_rows(self) -> int:
-        """Rows of every rank's step table: the longest device list (every rank sends a table of the same size)."""
-        return max(map(len, self.schedule.actions))
+        return rows
 
     def _place_observed(self, observer: MemoryObserver, clock: ActionClock) -> list[tuple]:
         """This rank's observed memory changes on rank 0's clock: its own clock shifted on a CPU, else
@@ -334,49 +333,10 @@ class DistributedPipeline:
         end = {a: finish + self.clock_offset for a, (_, finish) in intervals.items()}
         return observer.place(start, end)
 
-    def _gather_step(self, table: torch.Tensor, placed: list[tuple]) -> tuple[list[torch.Tensor], list[tuple]]:
-        """Every rank's step table and observed memory changes (time, device, delta, reason), on every rank.
-
-        One exchange (`_all_gather`) of one float64 tensor per rank: the table, room for
-        `observed_room` changes, and how many this rank has.  The room is the most any rank had
-        in an earlier step, the same number on every rank, so the tensors agree in size without
-        asking.  When a rank has more (the first step, or a batch of new shapes), a second
-        exchange sends the changes padded to the new most, which becomes the room.
-        """
-        def padded(room: int) -> torch.Tensor:  # this rank's changes in `room` rows (none if they do not fit)
-            rows = torch.full((room, 4), math.nan, dtype=torch.float64)
-            if placed and len(placed) <= room:
-                rows[:len(placed)] = torch.tensor(placed, dtype=torch.float64)
-            return rows.flatten()
-
-        room = self.observed_room
-        local = torch.cat([table.flatten(), padded(room), torch.tensor([float(len(placed))], dtype=torch.float64)])
-        gathered = self._all_gather(local)
-        tables = [g[:table.numel()].view(table.shape) for g in gathered]
-        counts = [int(g[-1]) for g in gathered]
-        rows = [g[table.numel():-1].view(room, 4) for g in gathered]
-        if max(counts) > room:
-            self.observed_room = room = max(counts)
-            rows = [g.view(room, 4) for g in self._all_gather(padded(room))]
-        observed = [(t, int(d), int(delta), int(why)) for table_rows, n in zip(rows, counts)
-                    for t, d, delta, why in table_rows[:n].tolist()]
-        return tables, observed
-
-    def _all_gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's 1-D float64 `tensor` (same size on every rank), on every rank, on the CPU.
-
-        gloo: `transport.exchange`, straight from each rank to every other; NCCL: `dist.all_gather`.
-        """
-        if self.backend == "gloo":
-            return self.p2p.exchange(tensor)
-        local = tensor.to(self.device)
-        gathered = [torch.empty_like(local) for _ in range(self.world_size)]
-        dist.all_gather(gathered, local, group=self.group)
-        return [t.cpu() for t in gathered]
-
-    def _trace(self, tables: list[torch.Tensor], observed: list[tuple] = ()) -> tuple[Trace, list[float]]:
+    def _trace(self, records: list[StepRecord]) -> tuple[Trace, list[float]]:
         rows = self.schedule.actions
-        values = {a: tables[d][k].tolist() for d, row in enumerate(rows) for k, a in enumerate(row)}
+        values = {a: records[d].rows[k] for d, row in enumerate(rows) for k, a in enumerate(row)}
+        observed = [change for record in records for change in record.observed]
         device_of = {a: d for d, row in enumerate(rows) for a in row}
         origin = min(v[0] for v in values.values())
         events, waits, messages = [], [], []

@@ -36,7 +36,15 @@ from .clock import ActionClock
 from .devices import assign_devices
 from .loop import InProcessTransport, run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
-from .step import StepResult, check_loss_fn, check_microbatch_count, cut_batch, make_workers, resolve_schedule, step_loss
+from .step import (
+    StepResult,
+    check_loss_fn,
+    check_microbatch_count,
+    cut_batch,
+    make_workers,
+    resolve_schedule,
+    step_loss,
+)
 
 
 class Pipeline:

@@ -31,7 +31,7 @@ B differentiates with that version and the stage's own optimizer updates the liv
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 from torch import nn
@@ -248,8 +248,19 @@ class InProcessTransport:
             self.observer.keep(target, tensor, "received")
 
 
-def run_actions(schedule: Schedule, actions: Iterable[Action], workers: dict[int, StageWorker], transport, clock,
-                observer: MemoryObserver | None = None) -> None:
+class Transport(Protocol):
+    """What the loop needs of whatever carries activations and gradients between stages (`InProcessTransport`,
+    `p2p.PointToPointTransport`, `hybrid.ScatterGatherTransport`)."""
+
+    def receive(self, action: Action) -> Any:
+        """What `action` needs from another stage (waiting for it if it has not arrived), or None."""
+
+    def send(self, action: Action, tensor: Any) -> None:
+        """Hand on what `action` produced to the stage that needs it (nothing for a result nobody needs)."""
+
+
+def run_actions(schedule: Schedule, actions: Iterable[Action], workers: dict[int, StageWorker], transport: Transport,
+                clock, observer: MemoryObserver | None = None) -> None:
     """Run `actions` (of `schedule`) in order: receive, compute (timed by `clock`; its host window noted by
     `observer`), send.  A stage's failure ends with its device's list, the failing action marked."""
     for action in actions:

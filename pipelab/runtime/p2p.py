@@ -45,7 +45,6 @@ from ..common.errors import LostRankError, PipelineError
 from ..schedules.action import Action
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
-from . import comm_count
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
           torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
@@ -65,9 +64,6 @@ def _tag(action: Action, n_microbatches: int, header: bool = False) -> int:
     return 2 * (2 * (action.stage * n_microbatches + action.microbatch) + int(header)) + direction
 
 
-def _exchange_tag(n_stages: int, n_microbatches: int) -> int:
-    """The tag of `exchange`'s messages: above every tag `_tag` gives in a step."""
-    return 4 * (n_stages * n_microbatches + 1)
 
 
 def loopback_interface() -> str | None:
@@ -136,8 +132,8 @@ class PointToPointTransport:
     def __init__(self, schedule: Schedule, rank: int, group, device: torch.device):
         self.schedule, self.rank, self.group, self.device = schedule, rank, group, device
         self.group_size = dist.get_world_size(group)
-        self.exchange_receives: dict[int, tuple[torch.Tensor, Any]] = {}  # peer -> (buffer, work), see post_exchange
         self.n_stages, self.n_microbatches = schedule.n_stages, schedule.n_microbatches
+        self.exchange_tag = 4 * (self.n_stages * self.n_microbatches + 1)  # above every tag `_tag` gives in a step
         self.device_of_stage = schedule.device_of_stage()
         self.routes = Routes(schedule)
         # per sending rank, the messages it sends to this rank, in its order
@@ -243,46 +239,6 @@ class PointToPointTransport:
         self.sent_at[action] = time.perf_counter()
         work = dist.isend(tensor, group=self.group, group_dst=destination, tag=_tag(action, self.n_microbatches))
         self.sends.append((work, tensor))
-
-    def post_exchange(self, numel: int) -> None:
-        """Post the receives of the step's `exchange` now (float64 tensors of `numel` elements, one per peer).
-
-        Posted before the step's first action, they let every rank's part land as soon as
-        that rank finishes, while the others still compute.
-        """
-        tag = _exchange_tag(self.n_stages, self.n_microbatches)
-        peers = [peer for peer in range(self.group_size) if peer != self.rank]
-        buffers = {peer: torch.empty(numel, dtype=torch.float64) for peer in peers}
-        with comm_count.label("other"):  # the trace's, not the pipeline's messages
-            self.exchange_receives = {peer: (buffer, dist.irecv(buffer, group=self.group, group_src=peer, tag=tag))
-                                      for peer, buffer in buffers.items()}
-
-    def exchange(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (1-D float64, the same size on every rank), by rank, on every rank (gloo).
-
-        What `dist.all_gather` returns, sent straight from each rank to every other into
-        receives posted in advance (`post_exchange`; posted here when none are).
-        gloo's all_gather passes the tensors round a ring, p - 1 hops after the last rank
-        joins; here the last rank's part takes one hop and the others' are already there:
-        it matters at the end of a step, when every rank waits for the one that finishes last.
-        gloo runs sends and receives independently, so this cannot deadlock (NCCL could: the
-        engine uses all_gather there).
-        """
-        if not self.exchange_receives:
-            self.post_exchange(tensor.numel())
-        receives, self.exchange_receives = self.exchange_receives, {}
-        if any(buffer.numel() != tensor.numel() for buffer, _ in receives.values()):
-            raise PipelineError(f"exchange of {tensor.numel()} values into receives posted for another size")
-        tag = _exchange_tag(self.n_stages, self.n_microbatches)
-        tensor = tensor.contiguous()
-        with comm_count.label("other"):  # the trace's, not the pipeline's messages
-            sends = [dist.isend(tensor, group=self.group, group_dst=peer, tag=tag)
-                     for peer in range(self.group_size) if peer != self.rank]
-        for peer, (_, work) in receives.items():
-            self._wait(work, peer, "gathering the step's trace")
-        for work in sends:
-            self._wait(work, None, "sending its part of the step's trace")
-        return [tensor if peer == self.rank else receives[peer][0] for peer in range(self.group_size)]
 
     def finish(self) -> None:
         """Wait until every message this rank sent has gone (the tensors may then be freed)."""
