@@ -1,22 +1,14 @@
 """`python -m pipelab.launch`: the torchrun entry point, one process per pipeline stage.
 
-One machine, two stages:
-
     torchrun --nproc-per-node 2 -m pipelab.launch --model mlp --stages 2 --microbatches 8 --schedule 1f1b --steps 20
 
-Two machines, one stage each (run on both; --node-rank 0 on the first, 1 on the second;
-GLOO_SOCKET_IFNAME names the interface that reaches the other machine, twice, so that
-activations and gradients travel on separate connections: `runtime/p2p.py`):
-
-    GLOO_SOCKET_IFNAME=eth0,eth0 torchrun --nnodes 2 --nproc-per-node 1 --node-rank 0 --rdzv-backend c10d --rdzv-endpoint HOST:29500 \\
-        -m pipelab.launch --model mlp --stages 2 --microbatches 8 --schedule 1f1b --steps 20
-
 The flags are those of `pipelab run`.  torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the
-rendezvous; this joins the process group (NCCL when the ranks use GPUs, else gloo, with
-`--timeout-seconds` as the collectives' timeout; with every rank on this machine, gloo gets
-two loopback connections per pair of ranks unless GLOO_SOCKET_IFNAME is set), trains, and rank 0 prints the report and
-writes the timeline, the Chrome trace and (with --json) the figures.  A rank that raises is
-recorded for torchrun (`@record`), which then stops the others and prints that rank's error.
+rendezvous; this joins the process group (NCCL when the ranks use GPUs, else gloo), trains,
+and rank 0 prints the report and writes the timeline, the Chrome trace and (with --json) the
+figures.  A rank that raises is recorded for torchrun (`@record`), which then stops the others.
+
+Two machines (GLOO_SOCKET_IFNAME, twice), the timeout and the loopback connections:
+docs/distributed.md, "torchrun".
 """
 
 from __future__ import annotations

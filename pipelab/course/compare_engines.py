@@ -8,17 +8,9 @@ Lesson 06 calls these functions; each is tested in tests/test_compare_engines.py
     run.measured    # pl.DistributedPipeline on 2 processes, wall clock      ("measured")
     run.real.speedup, run.real.formula_speedup   # against one process running the whole model
 
-The real run is one `pl.distributed.launch` (starting the ranks costs seconds, so each
-launch does several steps): every rank builds the same MLP from its seed, computes the
-plain single-device gradients of the whole batch for its own parameters, then runs
-`steps` steps.  The first step of a fresh process includes PyTorch's lazy initialisation,
-so it is a warm-up and only the later steps are timed.  Noise on a shared machine only
-ever adds time, so the fastest step stands for what the machine can do; the baseline is
-timed the same way.
-
 The speed-up formula (GPipe §2.3; Megatron-LM SC21 §2.2.1): with p equal stages, m
-micro-batches and free links, a step takes (m + p - 1) slots where one device takes p·m,
-so S = p·m / (m + p - 1).
+micro-batches and free links, S = p·m / (m + p - 1).  How the real run is timed (a warm-up
+step, then the fastest of the others): docs/course.md, "Lesson 06: three ways".
 """
 
 from __future__ import annotations

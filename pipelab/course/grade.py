@@ -5,25 +5,13 @@
     pipelab grade --impl solutions     the reference answers instead of exercises/
     pipelab grade 1.2 -- -x            arguments after -- go to pytest
 
-For the chosen tasks it runs, in a subprocess,
+For the chosen tasks it runs pytest on tests/tasks in a subprocess and prints one line per
+task: ✅ passed, ❌ failing (with its first failure), or ⏳ not started (every test still
+meets the stub's NotImplementedError).  ``run_task_tests`` is also what
+tests/test_grading.py uses to check solutions, stubs and mutants.
 
-    python -m pytest tests/tasks -m "task1_1 or ..." --impl exercises --timeout 60
-
-and prints one line per task: ✅ passed, ❌ failing, or ⏳ not started (every test still
-meets the stub's NotImplementedError).  For a failing task it shows the first failure:
-the property broken (the contract line of the docstring, which the assertion's message
-starts with), hypothesis' failing example, what happened, and how to rerun it.
-
-Nothing is written into the checkout: hypothesis' database and caches go to a temporary
-folder, and no bytecode is cached.  Each run draws new examples (a random hypothesis
-seed); the rerun command names that seed, so it tries the same examples again.  A test that runs past the timeout is stopped and reported as
-"timed out: probably an infinite loop"; the other tests of that task are then skipped.
-If a test ignores the timeout (a loop inside C code, or hypothesis retrying a hanging
-example), a watchdog here kills the run and runs the remaining tasks again without it.
-
-Outcomes travel from the subprocess as JSON lines, written to the file named by
-``PIPELAB_GRADE_RECORD`` by the hooks in tests/tasks/conftest.py.  ``run_task_tests`` is
-also what tests/test_grading.py uses to check solutions, stubs and mutants.
+Details (the pytest command, timeouts and the watchdog, how outcomes travel back, what is
+written where): docs/course.md, "pipelab grade".
 """
 
 from __future__ import annotations

@@ -1,20 +1,15 @@
 """Train with asynchronous PipeDream (`pl.schedules.pipedream_async`) in one process, stashing weights.
 
 `train_async(model, n_stages, inputs, targets, loss_fn, make_optimizer)` runs one training
-run: micro-batch i is PipeDream's minibatch i (its own mean loss, its own update), the
-actions run in the order a unit-time run of the schedule starts them, and each stage
-follows the rule of `pl.pipedream` exactly:
+run: micro-batch i is PipeDream's minibatch i (its own mean loss, its own update), and each
+stage follows the weight-stashing rule of `pl.pipedream` (PipeDream, SOSP 2019, §3.3).  It is
+one step of the local engine, `pl.Pipeline(model, n_stages=p, n_microbatches=m,
+schedule=pipedream_async(p, m, k), loss_fn=loss_fn, optimizer=make_optimizer)`, whose workers
+keep the versions (`runtime/weight_stash.py`): the minibatches are joined into one batch that
+the engine cuts back into the same m micro-batches.
 
-- F(s, i) runs with stage s's live weights and stashes that version (a copy, made once per
-  version and shared by the micro-batches that use it);
-- B(s, i) differentiates the graph F(s, i) built, so with the stashed weights;
-- after every `update_every`-th B, stage s's own optimizer steps its live weights with the
-  gradients of those backwards (summed).
-
-It is one step of the local engine, `pl.Pipeline(model, n_stages=p, n_microbatches=m,
-schedule=pipedream_async(p, m, k), loss_fn=loss_fn, optimizer=make_optimizer)`, whose workers keep the versions
-(`runtime/weight_stash.py`): the minibatches are joined into one batch that the engine cuts
-back into the same m micro-batches.
+Details (the rule, the order the actions run in): docs/course.md, "Lesson 10: synchronous
+and asynchronous".
 """
 
 from __future__ import annotations

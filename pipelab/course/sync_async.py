@@ -1,20 +1,16 @@
 """Synchronous 1F1B beside asynchronous PipeDream: the same minibatches, trained and timed both ways (lesson 10).
 
-- `flushed_1f1b(p, m, n_steps)`: n_steps synchronous 1F1B steps back to back as one table
-  (micro-batch k·m + i is micro-batch i of step k).  No barrier is needed to model the
-  flush: stage 0 ends every 1F1B step (its B of the step's last micro-batch is the step's
-  last action), and the next step's first forward runs on stage 0 after it, so nothing of
-  step k + 1 can start before step k has finished.  Its makespan is n_steps times one
-  step's, n_steps (m + p - 1)(t_F + t_B) at uniform costs (PipeDream-2BW §3.2; GPipe §2.3).
-- `train_flushed(...)`: synchronous training on the local engine: each minibatch is one
-  1F1B step of m micro-batches, then every stage's optimizer steps once (one optimizer
-  per stage, as `pl.pipedream_run.train_async`; with the same optimizer this is plain
-  minibatch training, since the step's gradients are the single-device ones).
-- `update_times(trace, microbatches_per_update)`: the simulated time at which each update
-  is complete: the end of stage 0's backward of the update's last micro-batch (stage 0
-  applies the last gradient of a micro-batch).  At uniform costs B(0, i) of a 1F1B table
-  ends at (p + i)(t_F + t_B), so PipeDream's i-th minibatch is done at (p + i)(t_F + t_B)
-  and the k-th flushed step at (k + 1)(m + p - 1)(t_F + t_B).
+- `flushed_1f1b(p, m, n_steps)`: n_steps synchronous 1F1B steps back to back as one table;
+  makespan n_steps (m + p - 1)(t_F + t_B) at uniform costs (PipeDream-2BW §3.2; GPipe §2.3).
+- `train_flushed(...)`: synchronous training on the local engine, one 1F1B step of m
+  micro-batches per minibatch, then every stage's optimizer steps once.
+- `update_times(trace, microbatches_per_update)`: the simulated time at which each update is
+  complete (the end of stage 0's backward of the update's last micro-batch): at uniform costs
+  (p + i)(t_F + t_B) for PipeDream's i-th minibatch, (k + 1)(m + p - 1)(t_F + t_B) for the
+  k-th flushed step.
+
+Details (why no barrier is needed, why that is when an update is complete): docs/course.md,
+"Lesson 10: synchronous and asynchronous".
 """
 
 from __future__ import annotations

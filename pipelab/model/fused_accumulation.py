@@ -1,37 +1,17 @@
 """Weight gradients accumulated inside the matrix multiply (gradient-accumulation fusion).
 
-With m micro-batches a Linear's weight gradient is a sum over them,
-dW = sum_i g_i^T x_i (g_i the gradient at the output, x_i the input of micro-batch i).
+With m micro-batches a Linear's weight gradient is a sum over them, dW = sum_i g_i^T x_i.
 Plain autograd computes each term into a new tensor and then adds it to `weight.grad`
-(`AccumulateGrad`): per micro-batch one extra pass over out x in values, read twice and
-written once.  Here the multiply adds its product into `weight.grad` itself,
-`weight.grad.addmm_(g_i^T, x_i)` (beta = 1), so the sum costs no extra pass.  Megatron-LM does
-the same on GPUs (`--gradient-accumulation-fusion`, a fused wgrad GEMM into `main_grad`).
+(`AccumulateGrad`): one extra pass over the weight per micro-batch.  Here the multiply adds
+its product into `weight.grad` itself, `weight.grad.addmm_(g_i^T, x_i)`, as Megatron-LM's
+`--gradient-accumulation-fusion` does on GPUs.  Equal to plain autograd within float
+rounding (`tests/test_fused_accumulation.py`).
 
-What it saves is that extra pass, against the product: for an n-row micro-batch of a
-d x d Linear, the pass touches 3 d^2 values, the product does 2 n d^2 flops.  On one CPU
-thread (Linear(1024, 1024), `benchmarks/vs_torch_pipelining.py`'s model) that is about
-0.3 ms against 0.2 ms at n = 8, and under 10 % of the product from n = 256.  What it costs
-is a Python autograd function per Linear and micro-batch, some 20-40 us forward and
-backward: on small weights that is more than the pass.  Measured on one CPU thread
-(`benchmarks/fused_accumulation.py`: MLP of 4 Linear(d, d) + GELU, 8 micro-batches, fused /
-plain step time, three runs): with 8-row micro-batches d = 256: 1.15-1.24, d = 512:
-0.85-1.01, d = 1024: 0.76-0.89, d = 2048: 0.70-0.79; with 64 rows d = 1024: 1.00-1.08,
-d = 2048: 0.91-0.97.  Hence only weights of at least `MIN_WEIGHT_ELEMENTS` (512 x 512)
-are fused.
-
-Scope: the `nn.Linear` modules of a stage (their own `forward`, not a subclass's) whose
-weight has at least `MIN_WEIGHT_ELEMENTS` elements and is a plain parameter (not a DTensor
-or other wrapper) that requires grad and carries no hooks.  The weight gets its gradient without an `AccumulateGrad` node, so tensor hooks on
-it would not run: such weights are left to plain autograd, and so is any `F.linear` called
-outside a Linear module (a tied output layer) and every bias.  The result is the same sum,
-rounded once per micro-batch instead of twice: equal to plain autograd within float
-rounding (tested against it, `tests/test_fused_accumulation.py`).
-
-How: while a stage's forward runs, each such Linear's `forward` is its fused version (an
-instance attribute, removed after), so nothing else in the forward pays for it.  Not for a
-split backward (zero bubble): there B must leave every weight gradient to W.  PyTorch's
-autograd has no switch for this, hence the small autograd function below.
+Only `nn.Linear` weights of at least `MIN_WEIGHT_ELEMENTS` (512 x 512) that are plain
+parameters requiring grad, without hooks, are fused, and never under a split backward.
+Why that threshold (the ratios by layer width that `benchmarks/fused_accumulation.py`
+prints), the full scope and how it is switched on: docs/engines.md, "Fused weight-gradient
+accumulation".
 """
 
 from __future__ import annotations

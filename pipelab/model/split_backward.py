@@ -1,22 +1,15 @@
 """A stage's backward split in two (Zero Bubble PP): I, the input gradient, now; W, the weight gradient, later.
 
-I runs autograd from the stage output to the stage input only, keeping the graph.  On
-its way it passes the nodes where the weights hang off the input path (for a Linear,
-the matrix multiply whose other input is the weight): there it records the gradient
-arriving at the node.  W later starts from those nodes with those recorded gradients and
-runs only the branches that lead to the weights.  So every gradient is computed once:
-the activation gradients (input path) in I, the weight gradients in W; a node on the
-boundary (the matmul) runs twice, each time for different outputs (dX in I, dW in W).
-The idea is PyTorch's (`torch/distributed/pipelining/_backward.py`, stage_backward_input
-and stage_backward_weight); this is written anew, grouping the boundary nodes by the
-weights they reach so that each W call runs only its own branches.
+I runs autograd from the stage output to the stage input only, keeping the graph, and
+records the gradient arriving at each node where a weight hangs off the input path (for a
+Linear, the matrix multiply whose other input is the weight).  W later starts from those
+nodes with those gradients and runs only the branches that lead to the weights, so every
+gradient is computed once.  The idea is PyTorch's (`torch/distributed/pipelining/_backward.py`);
+this is written anew.  A stage whose input needs no gradient has no input path: its I
+computes nothing and its W the whole backward.
 
-A stage whose input needs no gradient (the first stage, or integer tokens) has no input
-path: its I computes nothing and its W the whole backward.
-
-The output may be given as a tensor or as its `GradientEdge` (what the engines keep once
-the output itself is freed, `model/stage.py`); a scalar output (the last
-stage's loss) needs no `grad_output`.  What W needs is kept without the output's values.
+Details (the boundary nodes, the output given as its `GradientEdge`): docs/engines.md,
+"The split backward".
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
 """Tensor-parallel plans for one stage's blocks, applied with PyTorch's `parallelize_module`.
 
 A plan is what `torch.distributed.tensor.parallel.parallelize_module(block, tp_mesh, plan)`
-takes: a `ParallelStyle`, or a dict {submodule name: style}; None leaves the block
-replicated (every rank of the tensor-parallel group computes it whole).
+takes: a `ParallelStyle`, or a dict {submodule name: style}; None leaves the block replicated.
+Megatron-LM's split (Shoeybi et al. 2019, §3): a column-parallel Linear followed by a
+row-parallel one needs one all-reduce forward and one backward; a transformer layer has two
+such pairs, so 2 all-reduces forward and 2 backward.
 
-Megatron-LM's split (Shoeybi et al. 2019, §3): a column-parallel Linear (each rank holds
-out_features / t rows of W and outputs its slice) followed by a row-parallel Linear (each
-rank holds in_features / t columns and outputs a partial sum), so the pair needs one
-all-reduce forward (after the row-parallel layer) and one backward (of the column-parallel
-layer's input gradient).  A transformer layer has two such pairs (attention: qkv then the
-output projection; MLP: fc1 then fc2): 2 all-reduces forward, 2 backward.
+pl.models' blocks come with their plans (`default_plans`): `TransformerBlock` with whole heads
+per rank (qkv's rows reordered by `head_grouped_rows`), `mlp`'s Linear + GELU blocks paired
+inside each stage, `Embedding` and `LMHead` replicated.  A user's model passes
+`tensor_parallel_plan=fn`, `fn(block)` returning a plan (or None).
 
-pl.models' blocks come with their plans (`default_plans`):
-
-- `TransformerBlock`: qkv column-parallel with whole heads per rank, proj row-parallel,
-  mlp.0 column-parallel, mlp.2 row-parallel.  `parallelize_module` shards qkv's rows into
-  contiguous slices, but qkv fuses [q | k | v]: a contiguous slice is not "this rank's
-  heads of q, k and v".  pipelab therefore reorders qkv's rows first (`head_grouped_rows`,
-  written by hand because the API has no style for a fused projection);
-  `TransformerBlock.forward` counts its heads from qkv's output, so it runs the H/t heads a
-  rank holds unchanged, and the row-parallel proj adds the ranks' partial outputs.
-  `DistributedPipeline.gradients()` puts the rows back in the model's order.
-- `mlp`'s blocks are Linear + GELU, one Linear each, so a Megatron pair is two consecutive
-  blocks: pipelab pairs the blocks *inside each stage* (first column-parallel, second
-  row-parallel), so that what crosses a stage boundary is always replicated; an odd block
-  left at the end of a stage stays replicated.
-- `Embedding` and `LMHead` stay replicated (Megatron splits the vocabulary; pipelab does not).
-
-A user's model passes `tensor_parallel_plan=fn`, `fn(block)` returning a plan (or None).
+Details (why qkv is reordered, the pairs inside a stage): docs/hybrid.md, "Tensor-parallel plans".
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """The closed forms of a hybrid step's communication, per rank and kind, for pl.models' models.
 
-For one rank at (dp, pp, tp) = (r, s, k) of a layout (d, p, t), replica r's share of N
-samples is n_r (`microbatch.sizes(N, d)`), cut into m micro-batches of b_1..b_m samples;
-E_in, E_out are the elements per sample entering and leaving stage s (tiny GPT: seq·h;
-MLP: the width of that boundary).  In elements, per step:
+For one rank at pipeline stage s of a layout (d, p, t), with micro-batches of b_i samples
+and E_in, E_out the elements per sample entering and leaving stage s, in elements per step:
+"pp" sends Σ_i b_i·E_out/t forward if s < p−1 and Σ_i b_i·E_in/t back if s > 0 (Narayanan et
+al. 2021 §4.1: each TP rank sends 1/t); "pp_gather" all-gathers each received message; "tp"
+is 2 all-reduces forward and 2 backward of b_i·s·h per transformer layer and micro-batch
+(Shoeybi et al. 2019 §3); "dp" is one all-reduce of Ψ_rank, the parameter elements this rank
+holds (ZeRO, Rajbhandari et al. 2020 §7.1).
 
-- "pp" (sent; Narayanan et al. 2021 §4.1, scatter/gather: each TP rank sends 1/t):
-  Σ_i b_i·E_out/t if s < p−1 (activations forward)  +  Σ_i b_i·E_in/t if s > 0 (gradients back);
-  one message per micro-batch and direction.  "pp_received" mirrors it (E_in forward, E_out back).
-- "pp_gather" (t > 1): one all-gather per received message, of its b_i·E/t elements.
-- "tp" (Megatron-LM, Shoeybi et al. 2019 §3): per transformer layer and micro-batch, 2
-  all-reduces forward and 2 backward of b_i·s·h; per MLP pair (column- then row-parallel
-  Linear) 1 forward (of b_i·fan_out) and 1 backward (of b_i·fan_in), the backward one
-  skipped for the model's first pair, whose input (the data) needs no gradient.
-- "dp" (d > 1; ZeRO, Rajbhandari et al. 2020 §7.1): one all-reduce of Ψ_rank, the
-  parameter elements this rank holds (a sharded tensor counts 1/t); a ring puts
-  2·(d−1)/d·Ψ_rank on the wire per rank (`pl.communication.ring_allreduce_elements_per_device`).
+Every term, the MLP's pairs and "pp_received": docs/hybrid.md, "The closed forms".
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """Bytes a transformer's training step sends per device: pipeline stages vs tensor parallelism, from the formulas.
 
-For one micro-batch of b sequences of s tokens, hidden size h (Narayanan et al., "Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", SC21, §3,
-comparison of tensor and pipeline model parallelism):
+For one micro-batch of b sequences of s tokens, hidden size h (Narayanan et al., SC21, §3):
+a pipeline stage sends at most 2·b·s·h elements per micro-batch (the activation forward, its
+gradient back), *whatever the number of layers*; tensor parallelism over t devices (Shoeybi
+et al. 2019, §3) sends 8·b·s·h·(t−1)/t per device and transformer layer (2 ring all-reduces
+forward and 2 backward, 2·(t−1)/t·N each), L times that for L layers.  A transformer layer
+has 12·h² parameters, so models of the same size trade depth for width: L₁·h₁² = L₂·h₂².
 
-- **pipeline** (p stages): every boundary carries the activation, b·s·h elements, forward and
-  the gradient of the same size backward.  A device sends at most one of each per
-  micro-batch: 2·b·s·h, *whatever the number of layers*;
-- **tensor parallel** (t devices, Megatron-style, Shoeybi et al. 2019, §3): every
-  transformer layer all-reduces a b·s·h tensor twice forward (after attention and after the
-  MLP) and twice backward; a ring all-reduce of N elements sends 2·(t−1)/t·N per device, so
-  a device sends 8·b·s·h·(t−1)/t per layer, L times that for L layers.
-
-Parameters of a transformer layer: 12·h² (4h² attention, 8h² MLP with a 4h hidden layer;
-biases and layer norms left out), so two models of the same size trade depth for width:
-L₁·h₁² = L₂·h₂².  Nothing here is measured: these are the formulas.  Lesson 08 counts the
-bytes of real steps (`pl.hybrid_lesson.run_layouts`, beside the per-rank closed forms of
-`predict/comm_formulas.py`), and `pl.hybrid_costs` prices these volumes on links.
+Nothing here is measured: these are the formulas.  Derivation: docs/hybrid.md, "Pipeline
+against tensor-parallel bytes".
 """
 
 from __future__ import annotations

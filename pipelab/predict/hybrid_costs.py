@@ -4,22 +4,14 @@
                                           inside=(2e-6, 300e9), between=(10e-6, 25e9))
     prediction = pl.hybrid_costs.predict(pl.Layout(dp=1, pp=2, tp=8), model_costs, links, n_microbatches=8)
 
-The model is described per micro-batch on one device (`ModelCosts`): forward and backward
-seconds of the whole model, the bytes of the activation that crosses a layer boundary
-(b·s·h·4), the number of transformer layers and the parameter bytes.  For a layout (d, p, t):
+For a layout (d, p, t) a stage's F = forward / (p·t) + (L/p) · 2 · all_reduce(A, t) on the
+"tp" link, its B the same with the backward (Megatron-LM: 2 all-reduces forward, 2 backward
+per layer); a message carries A / t on the "pp" link; one all-reduce of Ψ / (p·t) bytes over
+"dp" (ZeRO §7.1) follows the drain.  all_reduce(N, n) on a ring (Patarasuk & Yuan 2009):
+2·(n−1)/n · N / bandwidth + 2·(n−1) · latency.
 
-- a stage's F = forward / (p·t) + (L/p) · 2 · all_reduce(A, t) on the "tp" link, and its B
-  the same with the backward (Megatron-LM: 2 all-reduces forward, 2 backward per layer);
-- a message between stages carries A / t (each TP rank sends its slice) on the "pp" link;
-- after the pipeline drains, one all-reduce of the rank's gradients, Ψ / (p·t) bytes, over
-  "dp" (ZeRO §7.1), added to the simulated makespan.
-
-all_reduce(N, n) on a ring (Patarasuk & Yuan 2009): 2·(n−1)/n · N / bandwidth + 2·(n−1) · latency.
-
-Which link a dimension uses follows the mesh's layout (`pl.Layout`: tp innermost): a
-dimension stays inside a node when the ranks it spans, with the dimensions inside it, fit
-in one node — tp when t ≤ G, pp when p·t ≤ G, dp when d·p·t ≤ G (G GPUs per node).
-Compute is assumed to divide perfectly by p·t (no TP efficiency loss, uniform stages).
+Details (`ModelCosts`, which link a dimension uses, the assumptions): docs/hybrid.md,
+"Predicting a layout's step".
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
 """Checkpoints in PyTorch's own format, `torch.distributed.checkpoint` (DCP).
 
-A checkpoint is a directory:
+A checkpoint is a directory: `path/.metadata` (every key, its shape and dtype, and where its
+bytes are; rank 0 writes it) and one `.distcp` file per rank (`path/__0_0.distcp` ...), all
+ranks writing at once.  Its keys are names in the *full* model, never a stage or a rank
+(`model.<name>`, `optim.state.<name>.<key>`, `optim.param_groups.<name>.<key>`: torch's
+flattened optimizer state dict), so any layout reads it back: each rank asks for the names
+of its own blocks, one process with the whole model for all of them.
 
-    path/.metadata           every key, its shape and dtype, and where its bytes are (rank 0 writes it)
-    path/__0_0.distcp  ...   one file per rank: that rank's tensors, all ranks writing at once
-
-and its keys are names in the *full* model, never a stage or a rank:
-
-    model.<name>                        model.3.0.weight     (the model's state_dict)
-    optim.state.<name>.<key>            optim.state.3.0.weight.exp_avg    (Adam: step, exp_avg, exp_avg_sq)
-    optim.param_groups.<name>.<key>     optim.param_groups.3.0.weight.lr  (hyper-parameters, per parameter)
-
-(the optimizer part is the "flattened" layout of torch's
-`get_optimizer_state_dict(..., options=StateDictOptions(flatten_optimizer_state_dict=True))`).
-Since nothing in a key says where it was held, any layout reads the checkpoint: each
-rank of a pipeline with another number of stages asks for the names of its own blocks
-and DCP reads just those bytes; one process with the whole model asks for all of them.
-
-Why DCP, and not "gather everything to rank 0 and `torch.save` it"?  Gathering sends
-every parameter and optimizer moment (three times the model, with Adam) through the
-network to one process that must hold them all at once; in pipeline parallelism the
-model was split precisely because it does not fit on one device.  With DCP each rank
-writes only what it holds, in parallel, and no rank ever holds more than its own share,
-on saving or on loading.  (The price: every rank must see the same directory, e.g. a
-shared file system when the ranks are on several machines.)
+Details (the keys with examples, why DCP rather than gathering to rank 0): docs/distributed.md,
+"Checkpoints".
 """
 
 from __future__ import annotations

@@ -1,25 +1,15 @@
 """Count the communication of a step from the real calls, per kind of parallelism.
 
-`CommunicationCounter` is a `TorchDispatchMode` (the mechanism of torch's own
-`CommDebugMode`, which counts collectives but not their bytes): every `torch.distributed`
-call reaches the dispatcher as a `c10d` op (`dist.isend` as `c10d.send`, `dist.all_reduce`
-as `c10d.allreduce_`, ...) and every DTensor collective as a `_c10d_functional` op, so the
-mode sees each one with its tensors and its process group.  A call is put in a kind by
-its group (and op):
+`CommunicationCounter` is a `TorchDispatchMode` (the mechanism of torch's own `CommDebugMode`,
+which counts collectives but not their bytes): every `torch.distributed` call reaches the
+dispatcher as a `c10d` op and every DTensor collective as a `_c10d_functional` op, so the
+mode sees each one with its tensors and its process group.  A call is put in a kind by its
+group (and op): "pp", "pp_received", "pp_gather", "tp", "dp" or "other"; `label(kind)` puts
+every call inside it in `kind`.  A record's bytes are the payload the call was given, not
+what the algorithm puts on the wire.
 
-- "pp": point-to-point sends between stages (`c10d.send`; receives go to "pp_received");
-- "pp_gather": the all-gather over the tensor-parallel group that rebuilds an activation
-  sent in t pieces (the hybrid transport marks it with `label`);
-- "tp": collectives on the tensor-parallel group (DTensor's all-reduces inside layers);
-- "dp": collectives on the data-parallel group (the gradient all-reduce);
-- "other": the rest (the step's table exchange for the Trace, sent point to point on gloo
-  and marked with `label`; the loss all-reduce).
-
-`label(kind)` puts every call inside it in `kind`, sends and receives included.
-
-A record's bytes are the payload the call was given (the input tensor of a collective, the
-sent tensor of a send), not what the algorithm puts on the wire: a ring all-reduce of N
-bytes sends 2·(d−1)/d·N bytes from each of d ranks (`pl.communication.ring_allreduce_elements_per_device`).
+Details (what each kind holds, payload against wire bytes): docs/hybrid.md, "Counting
+communication".
 """
 
 from __future__ import annotations

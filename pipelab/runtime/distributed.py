@@ -1,19 +1,14 @@
 """The distributed engine: one process per device, talking point to point with `torch.distributed`.
 
 Every rank builds the same full model (from its seed), keeps only the blocks of its own
-stage(s) and frees the others (moved to the "meta" device: their names stay in the model,
-their memory goes), then runs the *same* `Schedule` as the local engine.  Rank d runs
-device d's list, `schedule.actions[d]`, through the loop both engines share
-(`runtime/loop.py`); only the transport differs: here activations and gradients travel
-with `dist.isend` / `dist.irecv` (`runtime/p2p.py`).
+stage(s) (the others moved to the "meta" device), then runs device d's list,
+`schedule.actions[d]`, through the loop both engines share (`runtime/loop.py`) with the
+`torch.distributed` transport (`runtime/p2p.py`).  Each rank's wall clock is put on rank 0's
+by `clock_sync.estimate_offset`; at the end of each step the ranks exchange what they
+recorded (`runtime/exchange.py`), so **every rank returns the same complete Trace and the
+same loss**.  A hybrid layout adds tensor and data parallelism around it (`runtime/hybrid.py`).
 
-Timing is the wall clock of each rank, put on rank 0's clock by the offset
-`clock_sync.estimate_offset` measured when the pipeline is created.  At the end of each
-step the ranks exchange what they recorded (`runtime/exchange.py`: each action's times,
-its wait for a message, the bytes it kept, the losses, the observed memory changes), so
-**every rank returns the same complete Trace and the same loss**.  The step's preparation
-and its loss are the local engine's (`runtime/step.py`); a hybrid layout adds tensor and
-data parallelism around it (`runtime/hybrid.py`).
+Details: docs/distributed.md, "How a rank runs a step".
 """
 
 from __future__ import annotations

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from ..common.errors import LostRankError, PipelineError
+from ..common.errors import PipelineError
 from . import comm_count
+from .p2p import wait
 
 COLUMNS = ("start", "end", "wait_start", "wait_end", "sent", "saved_bytes", "recomputed_bytes", "loss")
 CHANGE = 4  # values per observed memory change: time, device, bytes (+ or -), reason
@@ -106,9 +107,9 @@ class StepExchange:
             sends = [dist.isend(tensor, group=self.group, group_dst=peer, tag=self.tag)
                      for peer in range(self.world_size) if peer != self.rank]
         for peer, (_, work) in receives.items():
-            self._wait(work, peer)
+            wait(work, self.rank, peer, "exchanging the step's trace")
         for work in sends:
-            self._wait(work, None)
+            wait(work, self.rank, None, "sending its part of the step's trace")
         return [tensor if peer == self.rank else receives[peer][0] for peer in range(self.world_size)]
 
     def _post(self, numel: int) -> dict[int, tuple[torch.Tensor, object]]:
@@ -116,11 +117,3 @@ class StepExchange:
             return {peer: (buffer, dist.irecv(buffer, group=self.group, group_src=peer, tag=self.tag))
                     for peer in range(self.world_size) if peer != self.rank
                     for buffer in [torch.empty(numel, dtype=torch.float64)]}
-
-    def _wait(self, work, peer: int | None) -> None:
-        try:
-            work.wait()
-        except RuntimeError as error:
-            lost = f"rank {peer}" if peer is not None else "a rank"
-            raise LostRankError(f"rank {self.rank} lost {lost} while exchanging the step's trace ({lost} died, "
-                                f"or timed out): {error}", peer) from error

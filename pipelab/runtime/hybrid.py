@@ -1,34 +1,17 @@
 """Pipeline × tensor × data parallelism on one `DeviceMesh` ("dp", "pp", "tp"): the pieces
 `DistributedPipeline` uses when given tensor_parallel=, data_parallel=, tensor_parallel_plan= or layout=.
 
-    pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=loss,
-                                  tensor_parallel=2, data_parallel=2)   # 8 ranks: pp = 8 / (2·2) = 2
+Every rank builds `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))`
+(ranks laid out as `pl.Layout` says).  PP: the plain distributed engine on the rank's "pp"
+sub-group.  TP: each block of the stage parallelized over "tp" with `parallelize_module` and
+its plan (`model/tp_plans.py`).  The stage boundary under TP (Megatron-LM's scatter/gather,
+Narayanan et al. 2021, §4.1): each rank sends its 1/t slice and the receivers all-gather it
+over "tp" (`ScatterGatherTransport`), so the boundary carries b·s·h elements once per TP
+group.  DP: gradients all-reduced over "dp" once per step, after the last backward, each
+replica's weighted by its share n_r / N.
 
-Every rank builds the mesh `init_device_mesh(device, (dp, pp, tp), mesh_dim_names=("dp",
-"pp", "tp"))` (ranks laid out as `pl.Layout` says), then:
-
-- **PP**: the plain distributed engine runs on the rank's "pp" sub-group (`group=` of
-  `DistributedPipeline`): stage d is the rank with pp coordinate d in its (dp, tp) row, so
-  point-to-point messages stay on the "pp" dimension (torch translates the sub-group's ranks
-  to global ones).
-- **TP**: each block of this rank's stage is parallelized over the "tp" sub-group with
-  PyTorch's `parallelize_module` and the block's plan (`model/tp_plans.py`).  Parameters
-  become DTensors holding this rank's shard; DTensor issues the all-reduces.
-- **The stage boundary under TP** (Megatron-LM's scatter/gather, Narayanan et al. 2021,
-  §4.1): what leaves a stage is replicated on its t ranks, so sending it whole from each
-  would cross the boundary t times.  Instead each rank sends its 1/t slice (along the last
-  dimension) to its peer of the same tp index on the next stage, and the receiving ranks
-  all-gather the slices over "tp" (`ScatterGatherTransport`): the boundary carries
-  b·s·h elements once per TP group, as t messages of b·s·h/t, plus an all-gather inside
-  the group (inside a node, on the fast links).  Gradients go back the same way.
-- **DP**: each replica takes its share of the global batch (`microbatch.split` into dp
-  contiguous shares); after the step's last backward every rank all-reduces its gradients
-  over "dp", once, in one flat bucket per dtype, each replica's weighted by its share
-  n_r / N so that the result is the gradient of the global mean loss even for unequal
-  shares.  Written by hand rather than with DDP: DDP all-reduces inside every backward
-  (m times per step under a pipeline, unless all but the last are wrapped in `no_sync`,
-  which the schedule's order makes awkward) and weights replicas equally; FSDP2 would
-  also shard the parameters (ZeRO-3), another trade-off than plain DP.
+Details (the sub-groups, the slices, why not DDP or FSDP2): docs/hybrid.md, "The pieces of a
+hybrid layout".
 """
 
 from __future__ import annotations

@@ -1,20 +1,14 @@
 """The local engine: run any valid Schedule in one process, on GPUs or on the CPU.
 
-`Pipeline.step(x, y)` prepares the step as every engine does (`runtime/step.py`: the
-micro-batches, their loss weights n_i / N, the workers), then performs the schedule's
-actions in a dependency-respecting order (`pipelab.schedules.dependencies`), through the loop the
-distributed engine runs too (`runtime/loop.py`).  "Sending" an activation or a gradient
-is a copy to the next stage's device (`InProcessTransport`).
+`Pipeline.step(x, y)` prepares the step as every engine does (`runtime/step.py`), then runs
+the schedule's actions in a dependency-respecting order through the loop the distributed
+engine runs too (`runtime/loop.py`); "sending" is a copy to the next stage's device
+(`InProcessTransport`).  With one CUDA device per stage, CUDA events time each action
+("measured"); when stages share a device, the measured durations are replayed on one
+virtual clock per stage ("replayed").  The trace holds the "counted" and "observed" memory
+curves (`runtime/memory_observer.py`), plus on CUDA "allocated" and "allocated_peak".
 
-Timing: with one CUDA device per stage the devices really run concurrently and CUDA
-events give each action's wall-clock start and end ("measured").  When stages share a
-device (all on a CPU, or more stages than GPUs) the actions run one after another, each
-timed, and the measured durations are replayed on one virtual clock per stage
-("replayed"), the step as it would run with one device per stage.
-
-Memory: the trace holds the "counted" curve (the saved-bytes rule of `pipelab.predict.memory`) and
-the "observed" one (`runtime/memory_observer.py`: when each kept storage was really freed,
-put on the trace's clock), plus on CUDA the allocator's "allocated" and "allocated_peak".
+Details: docs/engines.md, "Replayed and measured".
 """
 
 from __future__ import annotations

@@ -5,27 +5,13 @@ For each action in a device's list, in order:
     message = transport.receive(action)    # F: the activation from stage s-1; B, I: the gradient from s+1
     clock.begin(action); out = worker.compute(action, message); clock.end(action)
     transport.send(action, out)            # F: to stage s+1; B, I: to stage s-1 (nothing at the ends)
-    # then the loop lets go of both, so neither outlives its use
 
-A `MemoryObserver` (`runtime/memory_observer.py`) is told of every storage a stage keeps
-(what autograd saves, the stage's input, its output until sent, the gradients) and of the
-host window of every action: the "observed" memory curve of both engines comes from it.
+The local and distributed engines both call `run_actions`; they differ only in the transport
+(`InProcessTransport`, below, or `runtime/p2p.py`).  `StageWorker` runs an action by its kind
+with `model/stage.py`'s per-stage work, tells the `MemoryObserver` of every storage it keeps,
+and keeps an asynchronous schedule's weight versions (`runtime/weight_stash.py`).
 
-The local engine (`runtime/local.py`) and the distributed engine (`runtime/distributed.py`)
-both call `run_actions`; they differ only in the transport: an in-process copy
-(`InProcessTransport`, below) or `torch.distributed` point-to-point (`runtime/p2p.py`).
-`StageWorker.compute` is the per-stage work of `model/stage.py` (forward, backward,
-checkpointing, loss weighting n_i / N, saved-bytes counting), the same in both engines.
-
-The worker runs an action by its kind (`StageWorker.run`: one method per `Kind`).  A stage
-that splits its backward (zero bubble) runs I, which computes only its input's gradient
-(what the previous stage waits for) and keeps the micro-batch, then W, which computes the
-weight gradients and lets the micro-batch go (`stage.backward_input` /
-`stage.backward_weight`, exact: no gradient is computed twice).
-
-An asynchronous schedule (`pl.schedules.pipedream_async`) gives each stage a `WeightStash`
-(`runtime/weight_stash.py`): F runs with the live weights' version of the moment, stashed;
-B differentiates with that version and the stage's own optimizer updates the live weights.
+Details (split backward, weight stashing, the observer): docs/engines.md, "The loop both engines run".
 """
 
 from __future__ import annotations

@@ -2,53 +2,16 @@
 
 The "counted" curve (`pipelab.predict.memory.activation_samples`) applies a rule: a micro-batch's
 saved bytes appear when its F ends and go when its B ends.  This module measures instead,
-without that rule.  A stage *keeps* a storage when
+without that rule: `MemoryObserver.keep` notes a kept storage's bytes and host time and puts a
+weak reference with a callback on it, which runs when PyTorch frees the storage, whoever held
+it last.  A storage counts once per device, for its strongest reason (REASONS).
 
-- autograd saves a tensor on it for backward (`saved_tensors_hooks`; parameters left out),
-- it is the stage's input (the micro-batch, or an activation received), its output until
-  sent, a gradient received until used, or a gradient computed until sent,
-- a transport holds it for the stage (a message waiting in the in-process box, a receive
-  buffer posted ahead of need, a sent tensor gloo keeps until the send is waited for).
+`MemoryObserver.place` puts each change on the trace's time axis: inside the host window
+[h0, h1] of an action A, t' = start'(A) + min(t - h0, end'(A) - start'(A)); outside every
+window, at end'(P), P the last action before it; with `shift=c`, t' = t + c.
 
-Between two devices' stages the in-process transport sends a copy, as a real send does
-(`loop.InProcessTransport`), so no storage is shared by two devices.
-
-Each storage is kept for a reason (REASONS: "saved", "input", "output", "gradient",
-"received"); when a storage already kept is kept again for a stronger reason (earlier in
-REASONS: a received activation that autograd then saves), its bytes move to that reason.
-
-`MemoryObserver.keep` notes the storage's bytes and the host time (`time.perf_counter`),
-and puts a weak reference with a callback on the storage's Python object (PyTorch keeps one
-object per storage for as long as the storage lives): the callback runs when PyTorch frees
-the storage, whoever held it last.  Nothing here decides when bytes are released.  A
-storage counts once per device, however many tensors, stages or holders share it.  Not
-included: temporaries inside an op, parameters, their `.grad`, the losses kept for the
-report (on CUDA the allocator's own figures, "allocated" and "allocated_peak", have them).
-
-**Time axis.**  Changes happen at host times; a trace's times are on another axis (a
-replay, or CUDA events).  `MemoryObserver.place` maps each change, with the host window
-[h0, h1] of every action this process ran (`begin` / `end` around its compute):
-
-- inside a window (h0 <= t <= h1): t' = start'(A) + min(t - h0, end'(A) - start'(A)),
-  with start'(A), end'(A) the action's start and end in the trace.  On the CPU an
-  action's replayed duration is its measured one and the window lies inside the clock's
-  (`loop.run_actions` opens it just after the clock starts and closes it just before the
-  clock stops), so a change keeps its offset into the action, to a microsecond; on CUDA
-  (host ahead of the GPU) it is clamped into the action;
-- outside every window (a transport's send or receive, references dropped after an
-  action): at end'(P), P the last action this process ran before t; before the first action,
-  at start' of the first.  A message sent by P is thus on its receiver's curve from the
-  moment P ended, as it would arrive on a free link;
-- `shift=c` instead, when the trace's times are this host's clock plus c (the
-  distributed engine on CPUs): t' = t + c, exact.
-
-The observer's own work (a few microseconds per storage kept or freed) is not the step's:
-`spent` adds it up, windows and offsets are taken on the host clock minus it, and the
-local engine on CPUs replays each action's measured duration minus `own[action]`, the
-observer's time inside it (on CUDA the events time the GPU, which the host runs ahead of;
-the distributed engine's wall clock keeps it: there it really passed).
-
-Ties in t' keep the order in which the changes happened.
+Details (what a stage keeps, what is left out, the time axis, the observer's own time):
+docs/memory.md, "Observed memory".
 """
 
 from __future__ import annotations

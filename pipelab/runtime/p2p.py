@@ -1,33 +1,17 @@
 """Activations and gradients between ranks: `torch.distributed` point-to-point.
 
-The distributed engine's transport (the local engine's is `loop.InProcessTransport`):
+The distributed engine's transport (the local engine's is `loop.InProcessTransport`): plain
+`dist.isend` / `dist.irecv` pairs, never `dist.batch_isend_irecv` (it hangs on gloo); sends
+never block (`finish` waits for them at the end of the step); receives are posted early, in
+the order the sender sends on that link, and waited on only by the action that needs them.
+NCCL matches point-to-point messages by order and gloo by tag; posting in the sender's order
+satisfies both, so any schedule that `validate` accepts runs without deadlock.  Activations
+get even tags and gradients odd ones, so with two gloo devices (`use_two_connections`) they
+travel on separate connections.  A shape travels once, as a small int64 header.
 
-- **Plain `dist.isend` / `dist.irecv` pairs**, never `dist.batch_isend_irecv`, which hangs
-  on gloo (pytorch/pytorch#132644).
-- **Sends never block**: `send` posts an `isend` and keeps its work; `finish` waits for
-  all of them at the end of the step.
-- **Receives are posted early**, a few per sender ahead of need, and waited on only when
-  the action that needs them runs (`receive`).  They are posted in the order the sender
-  sends on that link (known from the schedule: every rank has the whole table).  NCCL
-  matches point-to-point messages between two ranks by order and gloo by tag; posting in
-  the sender's order satisfies both, so any schedule that `validate` accepts runs without
-  deadlock: a rank blocks only in `receive`, on a message its sender produces without
-  waiting for anything the receiver has not yet done.
-- **Two connections per pair of ranks, one per direction.**  gloo opens one TCP
-  connection per pair of ranks for each of its devices (`GLOO_SOCKET_IFNAME=lo,lo`: two
-  devices on the loopback interface) and sends a message on device `tag % devices`.
-  Activations get even tags and gradients odd ones, so with two devices what goes forward
-  and what comes back never share a connection.  On one connection they contend for its
-  lock: while the compute thread holds it to post an `isend`, gloo's I/O thread, woken by
-  an arriving gradient, fails its try-lock and polls again at once, and on a busy core it
-  can spin until the scheduler preempts it.  Measured on 2 cores (1F1B, p = 2, MLP 8x1024,
-  m = 8, `benchmarks/vs_torch_pipelining.py --connections 1` or `2`): gloo's I/O threads
-  used 6-9 ms of CPU per step and rank on one connection, 1 ms on two, and the step took
-  91-96 ms against 81-84 ms.  `use_two_connections` sets the variable for ranks on one machine.
-- **Shapes without object collectives**: the first time an activation of a given input
-  shape crosses a boundary, a small int64 header (dtype code, number of dimensions, the
-  sizes) goes first; the receiver allocates from it and caches the answer, so later steps
-  send no header.  A gradient has the shape and dtype of the activation the receiver sent.
+Details: docs/distributed.md, "Point to point"; the step times on one connection and on two
+(`benchmarks/vs_torch_pipelining.py --ranks 2 --connections 1` or `2`): the same page,
+"Two connections per pair of ranks".
 """
 
 from __future__ import annotations
@@ -247,9 +231,14 @@ class PointToPointTransport:
         self.sends.clear()
 
     def _wait(self, work, peer: int | None, doing: str) -> None:
-        try:
-            work.wait()
-        except RuntimeError as error:
-            lost = f"rank {peer}" if peer is not None else "a rank"
-            raise LostRankError(f"rank {self.rank} lost {lost} while {doing} ({lost} died, or timed out): "
-                                f"{error}", peer) from error
+        wait(work, self.rank, peer, doing)
+
+
+def wait(work, rank: int, peer: int | None, doing: str) -> None:
+    """Wait for one send or receive of `rank`; a peer that died or timed out becomes a `LostRankError`."""
+    try:
+        work.wait()
+    except RuntimeError as error:
+        lost = f"rank {peer}" if peer is not None else "a rank"
+        raise LostRankError(f"rank {rank} lost {lost} while {doing} ({lost} died, or timed out): {error}",
+                            peer) from error

@@ -1,20 +1,13 @@
 """Start local ranks, run a function on each, bring back their results or the first failure.
 
 `launch(fn, nproc, *args)` is built on `torch.distributed.launcher.api.elastic_launch`, the
-agent `torchrun` runs: it starts `nproc` processes with a c10d rendezvous on a free
-loopback port, sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT, watches them, and stops
-all of them as soon as one fails.  pipelab adds three things it does not do:
+agent `torchrun` runs (a c10d rendezvous on a free loopback port; all ranks stopped as soon
+as one fails).  pipelab adds functions from a notebook (`fn` and its arguments travel as
+cloudpickle bytes), a deadline (a rank still running after `timeout_seconds` records where
+every thread was and exits), and the cause, once (the earliest failure is re-raised in the
+caller as `DistributedError` naming the rank, with that rank's traceback).
 
-- **functions from a notebook**: `fn` and its arguments travel as cloudpickle bytes, so a
-  function defined in a notebook cell (which plain pickle cannot send to a new process)
-  runs on the ranks;
-- **a deadline**: each rank arms a watchdog; a rank still running after `timeout_seconds`
-  (a deadlock, or a wait on a rank that died) records where every thread was and exits,
-  and the agent then stops the others;
-- **the cause, once**: every rank that raises writes its rank, the exact time and its
-  message to a file; of all failures the earliest is the cause (the others are its
-  consequences, e.g. "connection closed by peer"), and it is re-raised in the caller as
-  `DistributedError` naming the rank, with that rank's traceback.
+Details: docs/distributed.md, "Local ranks: `pl.distributed.launch`".
 """
 
 from __future__ import annotations

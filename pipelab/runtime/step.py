@@ -1,19 +1,15 @@
 """What a training step is, whatever carries its messages: written once for the local and distributed engines.
 
-- **Preparation**: the schedule resolved and validated for the pipeline's p and m; one
-  `StageWorker` per stage this process runs, with its backward policy fixed (whole, split,
-  or an asynchronous schedule's weight stash); the batch cut into micro-batches.
-- **The loss weights**: micro-batch i's mean loss counts n_i / N, so the summed gradients
-  are those of the mean loss over the whole batch:
+Preparation (the schedule validated for p and m, one `StageWorker` per stage this process
+runs, the batch cut into micro-batches), the loss weights, and the finish (the step's loss,
+as a `StepResult`).  Micro-batch i's mean loss counts n_i / N, so the summed gradients are
+those of the mean loss over the whole batch:
 
-      mean over N samples = sum_i (n_i / N) * (mean over micro-batch i)
+    mean over N samples = sum_i (n_i / N) * (mean over micro-batch i)
 
-  An asynchronous schedule (PipeDream) treats each micro-batch as its own minibatch with
-  its own update: weight 1, and the step's loss is the mean of theirs.
-- **The finish**: the step's loss from the micro-batch losses, as a `StepResult`.
-
-Each engine supplies the rest: devices, a transport and a clock (`runtime/local.py`,
-`runtime/distributed.py`).
+An asynchronous schedule (PipeDream) gives each micro-batch weight 1: its own minibatch.
+Each engine supplies devices, a transport and a clock (`runtime/local.py`,
+`runtime/distributed.py`).  Details: docs/engines.md, "What a step is".
 """
 
 from __future__ import annotations

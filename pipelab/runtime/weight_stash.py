@@ -1,20 +1,14 @@
 """PipeDream's weight stashing on one stage, for the shared loop (`loop.StageWorker`).
 
-The rule of `pl.schedules.pipedream_async` (PipeDream, Narayanan et al., SOSP 2019, §3.3),
-per stage, walking its list in order:
+The rule of `pl.schedules.pipedream_async` (PipeDream, Narayanan et al., SOSP 2019, §3.3), per
+stage: after every `update_every`-th B the stage's own optimizer steps the live weights and
+the version goes up by one; F(s, i) runs with the live version of the moment and stashes it
+(a copy, made once per version and shared by the micro-batches that use it); B(s, i)
+differentiates the graph F(s, i) built, so with the stashed version, and its gradients are
+moved onto the live weights' `.grad`.  A copy is dropped once no micro-batch in flight uses
+it and it is not the live version's: p - s versions on stage s in the steady state.
 
-- the live weights start at version 0; after every `update_every`-th B the stage's own
-  optimizer steps them with the gradients of those backwards (summed), and the version
-  goes up by one;
-- F(s, i) runs with the live version at that moment and stashes it: a copy of the live
-  weights, made once per version and shared by every micro-batch that uses it (the live
-  tensors change in place at the next update, while those micro-batches are in flight);
-- B(s, i) differentiates the graph F(s, i) built, so with the stashed version; its
-  gradients are moved onto the live weights' `.grad`.
-
-A copy is dropped once no micro-batch in flight uses it and it is not the live version's:
-the stage then holds the versions `pl.pipedream.versions_in_flight` counts (p - s in the
-steady state, one of them the live weights' own copy).
+Details: docs/schedules.md, "Asynchronous PipeDream".
 """
 
 from __future__ import annotations

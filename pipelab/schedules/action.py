@@ -76,6 +76,8 @@ class Action(_Fields):
     __slots__ = ()
 
     def __new__(cls, kind: Kind | str, stage: int, microbatch: int) -> "Action":
+        if kind.__class__ is Kind:  # the common case, made by the engine itself: no lookup
+            return tuple.__new__(cls, (kind, stage, microbatch))
         try:
             kind = Kind(kind)
         except ValueError:

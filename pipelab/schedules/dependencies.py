@@ -8,13 +8,10 @@ ran on another device:
                    max over the needs n of a: end(n) + link(n, a))
     end(a)   = start(a) + duration(a)
 
-A device advances until its next action needs a result not yet computed, then parks on
-that result; finishing an action wakes the devices parked on it.  Every action is timed
-once: O(actions).  If devices are still parked when nothing is left to wake them, the
-schedule deadlocks and `Timing.stuck` says who waits for what.  `validate`,
-`Schedule.to_text`, the simulator and the local engine's replay are this loop with other
-durations.  It reads a schedule's `n_stages`, `actions`, `device_of_stage()` and
-`gradient_kind`; it does not import `Schedule`, whose `to_text` runs it.
+Every action is timed once: O(actions); devices still parked when nothing is left to wake
+them are a deadlock (`Timing.stuck`).  `validate`, `Schedule.to_text`, the simulator and the
+local engine's replay are this loop with other durations.  Details: docs/simulator.md, "The
+dependency loop".
 """
 
 from __future__ import annotations

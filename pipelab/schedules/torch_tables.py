@@ -1,21 +1,16 @@
 """PyTorch's own schedule tables (`torch.distributed.pipelining`) as pipelab Schedules.
 
-Every PyTorch schedule class computes, in its constructor, `pipeline_order`: {rank: [an
-`_Action` or None per time step]}.  `torch_table` builds that table without a process
-group (the constructors only read a few attributes of their stages; PyTorch's own tests
-pass mock stages too), and `from_torch` turns it into a pipelab Schedule, which
-`validate`, `simulate`, `to_text` and the engines take like any other:
+`torch_table` builds a PyTorch schedule class's `pipeline_order` ({rank: [an `_Action` or
+None per time step]}) without a process group, and `from_torch` turns it into a pipelab
+Schedule, which `validate`, `simulate`, `to_text` and the engines take like any other:
 
     order = pl.schedules.torch_table("InterleavedZeroBubble", n_devices=4, n_microbatches=8, n_chunks=2)
     sched = pl.schedules.from_torch(order, n_microbatches=8)
     pl.schedules.validate(sched)
 
-Translation of PyTorch's computation types: F, I (backward of the input only), W (backward
-of the weights) and B (a full backward) keep their letters, except a B on a stage that
-elsewhere splits its backward, which becomes I followed at once by W (a pipelab stage
-either splits every backward or none); OVERLAP_F_B -> its sub-actions in order.  Communication and bookkeeping
-actions (SEND_F, RECV_B, UNSHARD, RESHARD, REDUCE_GRAD, ...) and the None idle slots are
-dropped: pipelab derives messages from the dependencies, and idle time from running them.
+F, I, W and B keep their letters (a B on a stage that elsewhere splits its backward becomes
+I then W); communication and bookkeeping actions and the idle slots are dropped.  Details
+(mock stages, OVERLAP_F_B, what is dropped and why): docs/schedules.md, "PyTorch's tables".
 """
 
 from __future__ import annotations

@@ -1,30 +1,15 @@
 """`Trace`: what ran when (and how much memory it held) in one pipelined step.
 
 Every interpreter — the simulator, the local engine, the distributed engine — returns a
-Trace, so metrics, plots and exports are written once.  `source` says where the times
-came from:
+Trace, so metrics, plots and exports are written once.  `source` says where the times came
+from: "simulated" (a cost model), "measured" (wall clock, one device per stage) or
+"replayed" (every op really ran and was timed, then replayed on one virtual clock per
+stage).  Memory is kept as `MemorySample`s, one curve per device and per `what`
+(MEMORY_KINDS): "counted" (the rule of `pipelab.predict.memory.activation_samples`),
+"observed" (`pipelab/runtime/memory_observer.py`), and on CUDA "allocated" /
+"allocated_peak".
 
-- "simulated": a cost model (`pl.simulate`);
-- "measured": wall clock, one device per stage (CUDA events, or one process per rank;
-  then `n_processes` says how many, and `waits` and `messages` show the communication);
-- "replayed": every op really ran and was timed, but several stages shared one device
-  (all of them on a CPU), so the measured durations are replayed on one virtual clock
-  per stage: the timeline the step would have with one device per stage.
-
-Memory is kept as `MemorySample`s, one curve per device and per `what` (MEMORY_KINDS):
-
-- "counted": activation bytes by the rule of `pipelab.predict.memory.activation_samples` — the
-  bytes autograd saved for a micro-batch (the engines) or the cost model's bytes (the
-  simulator), added when its F ends and released when its backward ends.  A prediction
-  from `Costs.from_profile` equals it by construction: a consistency check only;
-- "observed": an engine's measurement that does not go through that rule — the real
-  lifetime of every storage a stage keeps (saved for backward, its input, its output
-  until sent, a gradient until used), ended by PyTorch freeing it
-  (`pipelab/runtime/memory_observer.py`, which also says how each change is put on the
-  trace's time axis);
-- "allocated" / "allocated_peak" (CUDA): `torch.cuda.memory_allocated` at the end of each
-  action and `torch.cuda.max_memory_allocated` during it — everything the allocator holds
-  on the device (parameters, gradients and temporaries included).
+Details (each source and each kind of memory): docs/simulator.md, "What a Trace holds".
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """1F1B with a deeper warm-up: more micro-batches in flight, to hide a slow link.
 
-With free links and equal stages 1F1B never waits in its steady state: stage s runs
-p - s - 1 forwards, then every backward's gradient is back just in time.  With a link
-latency l the gradient of micro-batch i reaches stage s only after a round trip through
-the stages below it, and a device that has nothing else queued idles; GPipe, which
-queues all m forwards first, pays only in the fill and the drain (2 (p - 1) l in all,
-equal stages).  Starting `extra` more forwards in the warm-up gives each device work to
-do while a gradient travels, at the price of `extra` more micro-batches held.
-
 Stage s < p - 1 runs w_s = min(p - s - 1 + extra, m) forwards, then alternates one forward
 and one backward, then drains; the last stage keeps w = 0 (its backward needs nothing from
 further down).  `extra = 0` is `pl.schedules.one_f_one_b`.  Peak in flight:
 min(p - s + extra, m) on stage s < p - 1, 1 on the last.  With free links the makespan is
-unchanged, (m + p - 1)(t_F + t_B) for equal stages.  p=4, m=8, extra=2:
+unchanged, (m + p - 1)(t_F + t_B) for equal stages; with a link latency the extra forwards
+give each device work to do while a gradient travels.
 
-    device 0 | F0 F1 F2 F3 F4 F5 .  .  B0 F6 B1 F7 B2 .  B3 .  B4 B5 .  B6 .  B7
-    device 1 | .  F0 F1 F2 F3 F4 .  B0 F5 B1 F6 B2 F7 B3 .  B4 B5 .  B6 .  B7 .
-    device 2 | .  .  F0 F1 F2 F3 B0 F4 B1 F5 B2 F6 B3 F7 B4 B5 .  B6 .  B7 .  .
-    device 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
+Why it helps, and the table at p=4, m=8, extra=2: docs/schedules.md, "1F1B with a deeper
+warm-up".
 """
 
 from __future__ import annotations
