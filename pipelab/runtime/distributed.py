@@ -52,6 +52,7 @@ from .memory_observer import MemoryObserver, observed_breakdown, observed_sample
 from .p2p import PointToPointTransport
 from .step import (
     StepResult,
+    batch_size,
     check_loss_fn,
     check_microbatch_count,
     cut_batch,
@@ -260,9 +261,7 @@ class DistributedPipeline:
             return self._step(inputs, targets)
 
     def _step(self, inputs: Any, targets: Any) -> StepResult:
-        total = microbatch.batch_size(inputs)
-        if microbatch.batch_size(targets) != total:
-            raise ValueError(f"inputs hold {total} samples but targets hold {microbatch.batch_size(targets)}")
+        total = batch_size(inputs, targets)
         d = self.layout.dp
         if d == 1:
             return self._pipeline_step(inputs, targets)

@@ -99,11 +99,17 @@ def make_workers(schedule: Schedule, partition: Partition, stages: list[int], lo
             for s in stages}
 
 
-def cut_batch(inputs: Any, targets: Any, n_microbatches: int, asynchronous: bool) -> tuple[list, list, list[float]]:
-    """(input chunks, target chunks, loss weights) of one step's batch (module docstring)."""
+def batch_size(inputs: Any, targets: Any) -> int:
+    """The samples in one step's batch, the same in its inputs and its targets."""
     total = microbatch.batch_size(inputs)
     if microbatch.batch_size(targets) != total:
         raise ValueError(f"inputs hold {total} samples but targets hold {microbatch.batch_size(targets)}")
+    return total
+
+
+def cut_batch(inputs: Any, targets: Any, n_microbatches: int, asynchronous: bool) -> tuple[list, list, list[float]]:
+    """(input chunks, target chunks, loss weights) of one step's batch (module docstring)."""
+    total = batch_size(inputs, targets)
     weights = [size / total for size in microbatch.sizes(total, n_microbatches)]
     if asynchronous:  # each micro-batch is one of PipeDream's minibatches: its own mean loss
         weights = [1.0] * n_microbatches
