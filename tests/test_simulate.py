@@ -124,8 +124,9 @@ def test_speedup_is_p_m_over_m_plus_p_minus_1(p, m):
 def test_simulated_memory_matches_the_measured_bytes(kind, schedule, checkpoint):
     """Fed from Costs.from_profile, the simulator's counted bytes are the engine's counted bytes, exactly: the
     same saved-tensor count and the same rule (a consistency check).  The observed peak (storages really
-    alive, outputs until sent and gradients until used on top) is at least that; for the MLP at most 1.7
-    times it (docs/memory.md: 1.03-1.60 measured).  The tiny GPT's stages hold far more than autograd saves
+    alive) is at least that; for the MLP at most that plus m + 2 activations of one micro-batch (an output
+    until sent, messages arrived and waiting, at most one per micro-batch, a gradient until sent); how many
+    wait depends on the measured durations.  The tiny GPT's stages hold far more than autograd saves
     (token ids, the embedding's output), so only the lower bound is stated for it."""
     if kind == "mlp":
         model = pl.models.mlp(depth=8, width=32)
@@ -139,8 +140,9 @@ def test_simulated_memory_matches_the_measured_bytes(kind, schedule, checkpoint)
     costs = pl.Costs.from_profile(model, pipe.partition, (x[:2], y[:2]), loss_fn, repeats=1)
     predicted = pl.simulate(pipe.schedule, costs, checkpoint=checkpoint)
     assert predicted.peak_memory == measured.peak_memory
+    activation = 2 * 32 * 4  # one micro-batch of 2 samples, 32 fp32 features
     for observed, counted in zip(measured.peak_memory_observed, measured.peak_memory):
-        assert counted <= observed <= (1.7 * counted if kind == "mlp" else math.inf)
+        assert counted <= observed <= (counted + (8 + 2) * activation if kind == "mlp" else math.inf)
 
 
 def test_checkpointing_in_the_simulator_costs_one_forward_and_saves_memory():

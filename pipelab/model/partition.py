@@ -22,6 +22,7 @@ from torch import nn
 
 from ..common.checks import check_repeats
 from ..common.threads import intra_op_threads
+from .stage import buffers_kept, copy_of, starts_in_place
 
 METHODS = ("uniform", "params", "time")
 
@@ -109,20 +110,26 @@ def measured_times(model: nn.Sequential, sample: Any, repeats: int = 5) -> list[
     first = next(model.parameters(), None)
     on_cuda = first.is_cuda if first is not None else (isinstance(sample, torch.Tensor) and sample.is_cuda)
     sync = torch.cuda.synchronize if on_cuda else (lambda: None)
-    for _ in range(repeats):
-        x = sample
-        for index, block in enumerate(model):
-            inp = x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
-            sync()
-            begin = time.perf_counter()
-            out = block(inp)
-            wrt = [t for t in [inp, *block.parameters()] if isinstance(t, torch.Tensor) and t.requires_grad]
-            if wrt:  # autograd.grad leaves the model's .grad untouched
-                torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
-            sync()
-            times[index].append(time.perf_counter() - begin)
-            x = out.detach()
+    copies = [starts_in_place(block) for block in model]
+    with buffers_kept(model.buffers()):  # timing forwards leave BatchNorm's statistics alone
+        for _ in range(repeats):
+            _time_blocks(model, sample, copies, times, sync)
     return [min(t) for t in times]
+
+
+def _time_blocks(model: nn.Sequential, sample: Any, copies: list[bool], times: list[list[float]], sync) -> None:
+    x = sample
+    for index, block in enumerate(model):
+        inp = x.detach().requires_grad_(x.is_floating_point()) if isinstance(x, torch.Tensor) else x
+        sync()
+        begin = time.perf_counter()
+        out = block(copy_of(inp) if copies[index] else inp)
+        wrt = [t for t in [inp, *block.parameters()] if isinstance(t, torch.Tensor) and t.requires_grad]
+        if wrt:  # autograd.grad leaves the model's .grad untouched
+            torch.autograd.grad(out, wrt, torch.ones_like(out), allow_unused=True)
+        sync()
+        times[index].append(time.perf_counter() - begin)
+        x = out.detach()
 
 
 def split(model: nn.Module, n_stages: int, method: str = "uniform", sample: Any = None,

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import split_backward
@@ -79,16 +80,21 @@ def _storage_key(tensor: torch.Tensor) -> tuple:
     return (tensor.device, tensor.untyped_storage().data_ptr())
 
 
-def stage_function(module: Callable, fusion: Any = None,
-                   loss: Callable[[torch.Tensor], torch.Tensor] | None = None) -> Callable[[Any], tuple]:
+def stage_function(module: Callable, fusion: Any = None, loss: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                   copy_input: bool = False) -> Callable[[Any], tuple]:
     """What a stage computes: `run(inp)` -> (the blocks' output, and on the last stage `loss(output)`, the
-    micro-batch's mean loss, else None).  `fusion` (a `FusedAccumulation`) is entered around the blocks."""
+    micro-batch's mean loss, else None).  `fusion` (a `FusedAccumulation`) is entered around the blocks;
+    `copy_input` for a stage that starts in place (`starts_in_place`)."""
 
     def run(inp: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if copy_input:
+            inp = copy_of(inp)
         with fusion if fusion is not None else contextlib.nullcontext():
             output = module(inp)
         if not isinstance(output, torch.Tensor):
-            raise TypeError(f"a stage returned {type(output).__name__}; pipelab passes one tensor between stages")
+            fields = [name for name in ("logits", "last_hidden_state", "loss") if getattr(output, name, None) is not None]
+            hint = f" (it has {', '.join('.' + f for f in fields)}: return one of them)" if fields else ""
+            raise TypeError(f"a stage returned {type(output).__name__}{hint}; pipelab passes one tensor between stages")
         if loss is None:
             return output, None
         value = loss(output)
@@ -123,11 +129,13 @@ class HeldForW:
     work: split_backward.WeightWork
 
 
-def forward(run: Callable[[Any], torch.Tensor], inp: Any, checkpoint: bool = False) -> tuple[torch.Tensor, Held]:
+def forward(run: Callable[[Any], torch.Tensor], inp: Any, checkpoint: bool = False,
+            buffers: list[torch.Tensor] = ()) -> tuple[torch.Tensor, Held]:
     """`run(inp)` (the stage's blocks, and on the last stage its weighted loss): (output, what it holds).
 
     Checkpointed, it runs without building a graph and holds only the input and the random state, to
-    run again with the graph at the backward (`Held.rebuild`)."""
+    run again with the graph at the backward (`Held.rebuild`), which leaves the stage's `buffers`
+    (BatchNorm's running statistics) as the first run left them: one real forward, one update."""
     if not checkpoint:
         output = run(inp)
         return output, Held(inp, edge=_edge(output))
@@ -136,11 +144,37 @@ def forward(run: Callable[[Any], torch.Tensor], inp: Any, checkpoint: bool = Fal
         output = run(inp)
 
     def rebuild() -> torch.Tensor:
-        with torch.random.fork_rng(devices=state[1]):
+        with torch.random.fork_rng(devices=state[1]), buffers_kept(buffers):
             _set_rng_state(state)
             return run(inp)
 
     return output, Held(inp, rebuild=rebuild)
+
+
+@contextlib.contextmanager
+def buffers_kept(buffers):
+    """Inside the block the forwards run as usual; on leaving, every buffer holds its value from before
+    (the engine's own extra forwards: the warm-up, a recomputation, a profile)."""
+    buffers = list(buffers)
+    saved = [b.detach().clone() for b in buffers]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, value in zip(buffers, saved):
+                b.copy_(value)
+
+
+def starts_in_place(module: nn.Module) -> bool:
+    """Whether `module`'s first leaf module works in place on its input (`ReLU(inplace=True)`): a received
+    activation is a leaf that requires grad, which an in-place op may not change, so such a stage computes
+    from a copy of it (the gradient still reaches the leaf, through the copy)."""
+    first = next((m for m in module.modules() if not list(m.children())), None)
+    return bool(getattr(first, "inplace", False))
+
+
+def copy_of(inp: Any) -> Any:
+    return inp.clone() if isinstance(inp, torch.Tensor) and inp.requires_grad else inp
 
 
 def _edge(output: torch.Tensor):

@@ -85,7 +85,7 @@ class Costs:
         fastest run is the closest to what the ops cost.
         """
         check_repeats(repeats)
-        with intra_op_threads(threads):
+        with intra_op_threads(threads), stage_ops.buffers_kept(model.buffers()):  # no BatchNorm update of its own
             return cls._profile(model, parts, sample_batch, loss_fn, repeats, latency, bandwidth, fused_accumulation)
 
     @classmethod
@@ -106,7 +106,8 @@ class Costs:
             for s, stage in enumerate(parts.stages):
                 inp = stage_ops.as_input(_move(activation, devices[s]), s == 0)
                 loss = partial(_loss_of, loss_fn, target=_move(targets, devices[s])) if s == n - 1 else None
-                run = _as_the_engine_runs(stage_ops.stage_function(stage, fusions[s], loss))
+                run = _as_the_engine_runs(stage_ops.stage_function(stage, fusions[s], loss,
+                                                                   stage_ops.starts_in_place(stage)))
                 begin = _now(devices[s])
                 with counters[s]:  # what the engine counts: the bytes autograd saves during the forward
                     output, kept_here = stage_ops.forward(run, inp)

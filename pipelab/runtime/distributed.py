@@ -28,6 +28,7 @@ from ..common.errors import PipelineError
 from ..common.gc_pause import gc_paused
 from ..common.threads import check_threads, intra_op_threads
 from ..model import microbatch
+from ..model.batch_norm import warn_if_batch_norm
 from ..model.partition import Partition, balanced_bounds, split
 from ..predict.layout import Layout
 from ..predict.memory import activation_samples, checkpoint_plan
@@ -257,6 +258,7 @@ class DistributedPipeline:
         runs its share n_r of the batch, then the gradients are all-reduced over "dp",
         each weighted n_r / N, and the loss is the global mean (`runtime/hybrid.py`).
         """
+        warn_if_batch_norm(self.model, self.n_microbatches)
         with self._context():
             return self._step(inputs, targets)
 

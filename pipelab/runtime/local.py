@@ -21,6 +21,8 @@ from torch import nn
 
 from ..common.threads import check_threads, intra_op_threads
 from ..model.partition import Partition, split
+from ..model import stage as stage_ops
+from ..model.batch_norm import warn_if_batch_norm
 from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules.action import Action, Kind
 from ..schedules.dependencies import run_dependencies
@@ -115,6 +117,7 @@ class Pipeline:
         With an asynchronous schedule, one PipeDream run instead: micro-batch i is minibatch i, the stages'
         optimizers update the weights during it; `loss` is the mean of the minibatches' losses, each taken
         before its own update (`microbatch_losses`)."""
+        warn_if_batch_norm(self.model, self.n_microbatches)
         with intra_op_threads(self.threads):
             return self._step(inputs, targets)
 
@@ -150,6 +153,11 @@ class Pipeline:
         """
         grads = [(p, p.grad) for p in self.parameters()]
         stashes = {s: worker.stash for s, worker in self.workers.items()}
+        with stage_ops.buffers_kept(self.model.buffers()):  # BatchNorm's statistics as before: no extra update
+            self._run_warm_up(inputs, targets, grads, stashes)
+        self.warmed_up = True
+
+    def _run_warm_up(self, inputs: Any, targets: Any, grads: list, stashes: dict) -> None:
         try:
             for worker in self.workers.values():
                 worker.stash = None
@@ -169,7 +177,6 @@ class Pipeline:
                 worker.stash = stashes[s]
             for p, grad in grads:
                 p.grad = grad
-        self.warmed_up = True
 
     def _warm_up_action(self, action: Action, message: Any) -> Any:
         worker = self.workers[action.stage]

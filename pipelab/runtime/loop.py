@@ -51,6 +51,8 @@ class StageWorker:
         fuse = fused_accumulation and not splits_backward and stash is None
         self.fusion = FusedAccumulation(module, list(module.parameters())) if fuse else None
         self.is_first, self.is_last = index == 0, index == n_stages - 1
+        self.copy_input = stage_ops.starts_in_place(module)  # a ReLU(inplace=True) first: compute from a copy
+        self.buffers = list(module.buffers())  # BatchNorm's statistics: a recomputation leaves them alone
         self.use_parameters(list(module.parameters()))
         self.run = {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._input_gradient,
                     Kind.W: self._weight_gradient}
@@ -99,7 +101,7 @@ class StageWorker:
         if self.is_last:
             target = to_device(self.targets[i], self.device)
             loss = partial(_loss_of, self.loss_fn, target=target)
-        compute = stage_ops.stage_function(module, self.fusion, loss)
+        compute = stage_ops.stage_function(module, self.fusion, loss, self.copy_input)
 
         def run(inp: Any) -> torch.Tensor:
             output, loss = compute(inp)
@@ -114,7 +116,7 @@ class StageWorker:
     def _forward(self, i: int, message: Any) -> torch.Tensor | None:
         inp = stage_ops.as_input(to_device(self.inputs[i], self.device) if self.is_first else message, self.is_first)
         self._note(inp, "input")
-        output, self.held[i] = stage_ops.forward(self._stage_function(i), inp, self.checkpoint)
+        output, self.held[i] = stage_ops.forward(self._stage_function(i), inp, self.checkpoint, self.buffers)
         held_input = isinstance(inp, torch.Tensor) and self.checkpoint
         self.saved_bytes[i] = inp.untyped_storage().nbytes() if held_input else self.saved.bytes
         return None if self.is_last else output.detach()
