@@ -42,3 +42,18 @@ def run_layouts(cases: list[tuple], count: bool = False) -> list[dict]:
             "counts": counter.totals() if count else None,
         })
     return found
+
+
+def clipped(cases: list[tuple], max_norm: float) -> list[dict]:
+    """On every rank: per case (model kind, (dp, pp, tp)), one step, then `pipe.clip_grad_norm_(max_norm)`:
+    the norm it returned and the full gradients after it."""
+    found = []
+    for kind, shape in cases:
+        model = make_model(kind)
+        x, y = pl.models.sample_batch(model, BATCH, seed=2)
+        pipe = pl.DistributedPipeline(model, n_microbatches=2, schedule="1f1b", loss_fn=pl.models.default_loss(model),
+                                      layout=Layout(*shape))
+        pipe.step(x, y)
+        norm = pipe.clip_grad_norm_(max_norm)
+        found.append({"norm": norm, "grads": pipe.gradients()})
+    return found

@@ -280,3 +280,16 @@ def test_stage0_peak_gpipe_over_1f1b_is_m_over_p(kind, n_microbatches):
         peaks[schedule] = pl.Pipeline(model, n_stages=4, n_microbatches=n_microbatches, schedule=schedule,
                                       loss_fn=loss_fn, devices="cpu").step(x, y).trace.peak_memory[0]
     assert peaks["gpipe"] / peaks["1f1b"] == pytest.approx(n_microbatches / 4, rel=0.10)
+
+
+def test_clip_grad_norm_is_the_whole_models():
+    model = pl.models.mlp(depth=8, width=16, seed=3)
+    x, y = pl.models.sample_batch(model, 16)
+    reference = pl.models.mlp(depth=8, width=16, seed=3)
+    nn.MSELoss()(reference(x), y).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.01))
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=4, loss_fn=nn.MSELoss(), devices="cpu")
+    pipe.step(x, y)
+    assert pipe.clip_grad_norm_(0.01) == pytest.approx(norm, rel=1e-5) and norm > 0.01
+    for p, q in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)

@@ -125,3 +125,20 @@ def test_layout_coordinates_and_errors():
         Layout.for_world(6, tensor_parallel=4)
     with pytest.raises(ValueError, match="Layout.tp must be a positive int"):
         Layout(tp=0)
+
+
+def test_clip_grad_norm_is_the_whole_models_on_every_layout():
+    """`pipe.clip_grad_norm_` against `torch.nn.utils.clip_grad_norm_` on the single-device model: the same
+    norm on every rank, and the same clipped gradients (tensor-parallel shards combined, replicas once)."""
+    layouts = [("gpt", (1, 2, 2)), ("gpt", (2, 2, 1)), ("mlp", (1, 4, 1))]
+    per_rank = pl.distributed.launch(cases.clipped, 4, layouts, 0.05, timeout_seconds=240)
+    for c, (kind, _) in enumerate(layouts):
+        model = make_model(kind)
+        x, y = pl.models.sample_batch(model, BATCH, seed=2)
+        pl.models.default_loss(model)(model(x), y).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+        assert norm > 0.05  # the case clips
+        for rank in per_rank:
+            assert rank[c]["norm"] == pytest.approx(norm, rel=1e-5), (kind, layouts[c])
+            for name, grad in rank[c]["grads"].items():
+                torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)

@@ -35,7 +35,7 @@ from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules.action import GRADIENT_KINDS, Action, Kind
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Event, Message, Trace, Wait
-from . import checkpoint, comm_count
+from . import checkpoint, clipping, comm_count
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .exchange import COLUMNS, StepExchange, StepRecord
@@ -226,6 +226,18 @@ class DistributedPipeline:
         """{parameter name in `model`: its full gradient} for this rank's stage(s), on the CPU; under tensor
         parallelism gathered over "tp" (a collective: call it on every rank), rows in the model's order."""
         return full_gradients(self.model, self.row_orders)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients by their global norm over the whole model (every stage and rank, tensor-parallel
+        shards combined, data-parallel replicas once), as `torch.nn.utils.clip_grad_norm_` on the single-device
+        model does; call it on every rank.  Returns the norm before clipping (`runtime/clipping.py`)."""
+        parameters = self.parameters()
+        with self._context():
+            parts = clipping.local_part(parameters, norm_type, self.tp_index)
+            tp_group = self.hybrid.group("tp") if self.layout.tp > 1 else None
+            norm = clipping.reduce_norm(parts, norm_type, [self.group, tp_group], self.device)
+        clipping.scale(parameters, max_norm, norm)
+        return norm
 
     def count_communication(self) -> comm_count.CommunicationCounter:
         """A counter of this rank's communication: `with pipe.count_communication() as c: pipe.step(x, y)`,

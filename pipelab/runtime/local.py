@@ -111,6 +111,11 @@ class Pipeline:
         """Every stage's parameters, in stage order (give them to the optimizer)."""
         return [p for stage in self.partition.stages for p in stage.parameters()]
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
+        """Clip the gradients by their global norm over every stage: `torch.nn.utils.clip_grad_norm_` on the
+        model's parameters (they all live in this process).  Returns the norm before clipping."""
+        return float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type))
+
     def step(self, inputs: Any, targets: Any) -> StepResult:
         """One training step: gradients of the mean loss over the batch are *added* to `.grad` (zero them first).
 
