@@ -137,7 +137,7 @@ def gloo_connections(measure: bool = False) -> tuple:
             before = _io_thread_wakeups()
             message = torch.zeros(1000)
             for i in range(m):
-                tag = _tag(pl.Action(kind, stage, i), m)
+                tag = _tag(pl.Action(kind, stage, i), m, 2)  # the message's first tensor
                 (dist.send if dist.get_rank() == 0 else dist.recv)(message, 1 - dist.get_rank(), tag=tag)
             after = _io_thread_wakeups()
             bursts.append({thread: after[thread] - before[thread] for thread in after})
@@ -158,3 +158,47 @@ def shifted_clock(seconds: float) -> dict:
     trace = pipe.step(x, y).trace
     return {"offset": pipe.clock_offset, "error": pipe.clock_error, "events": trace.events,
             "messages": trace.messages}
+
+
+class Carry(torch.nn.Module):
+    """A block whose input and output are a structure: (float tensor, boolean mask, {"scale": tensor, "n": 3}, None);
+    the first block builds it from a tensor."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, parts):
+        if isinstance(parts, torch.Tensor):
+            parts = (parts, parts[:, :1] > 0, {"scale": parts.sum(-1, keepdim=True), "n": 3}, None)
+        h, mask, extra, nothing = parts
+        assert nothing is None and extra["n"] == 3 and mask.dtype == torch.bool
+        h = torch.tanh(self.linear(h * mask + extra["scale"]))
+        return h, mask, {"scale": h.mean(-1, keepdim=True), "n": 3}, None
+
+
+class Head(torch.nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, 2)
+
+    def forward(self, parts):
+        return self.linear(parts[0])
+
+
+def structured_model() -> torch.nn.Sequential:
+    torch.manual_seed(3)
+    return torch.nn.Sequential(*[Carry(8) for _ in range(7)], Head(8))
+
+
+def run_structured(schedule: str, n_microbatches: int) -> dict:
+    """One step of `structured_model` (structures cross every boundary): the loss and this rank's gradients."""
+    model = structured_model()
+    x, y = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(4)), torch.randn(
+        BATCH, 2, generator=torch.Generator().manual_seed(5))
+    pipe = pl.DistributedPipeline(model, n_microbatches=n_microbatches, schedule=schedule, loss_fn=torch.nn.MSELoss())
+    pipe.step(x, y)  # the first step sends the layouts; the second only tensors
+    for p in pipe.parameters():
+        p.grad = None
+    result = pipe.step(x, y)
+    return {"loss": result.loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}

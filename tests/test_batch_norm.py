@@ -125,5 +125,6 @@ def test_a_stage_that_returns_a_model_output_is_told_which_field_to_return():
 
     pipe = pl.Pipeline(nn.Sequential(nn.Linear(4, 4), Head(), nn.Linear(4, 4)), n_stages=3, n_microbatches=1,
                        loss_fn=nn.MSELoss(), devices="cpu", split_method="uniform")
-    with pytest.raises(pl.PipelineError, match=r"a stage returned Output \(it has \.logits: return one of them\)"):
+    with pytest.raises(pl.PipelineError, match=r"stage 2 received a Output, not a tensor: have the previous stage "
+                                              r"return its \.logits"):
         pipe.step(torch.randn(2, 4), torch.randn(2, 4))

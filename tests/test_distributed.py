@@ -199,11 +199,15 @@ def test_launch_runs_a_function_defined_at_run_time_and_returns_every_rank_resul
 def test_activations_and_gradients_have_tags_of_their_own_parity_and_every_message_its_own_tag():
     from pipelab.runtime.p2p import _tag
 
+    from pipelab.runtime.p2p import SLOTS
+
     n_stages, m = 3, 5
-    forward = [_tag(pl.Action("F", s, i), m, header) for s in range(n_stages) for i in range(m) for header in (0, 1)]
-    backward = [_tag(pl.Action("B", s, i), m) for s in range(n_stages) for i in range(m)]
+    forward = [_tag(pl.Action("F", s, i), m, slot) for s in range(n_stages) for i in range(m) for slot in range(SLOTS)]
+    backward = [_tag(pl.Action(kind, s, i), m, slot) for kind in "BI" for s in range(n_stages) for i in range(m)
+                for slot in range(SLOTS)]
     assert all(tag % 2 == 0 for tag in forward) and all(tag % 2 == 1 for tag in backward)
-    assert len(set(forward + backward)) == len(forward) + len(backward)
+    assert len(set(forward)) == len(forward) and len(set(backward)) == len(backward) // 2  # B and I: one each
+    assert not set(forward) & set(backward)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
@@ -234,3 +238,19 @@ def test_launch_checks_its_arguments():
 def test_outside_a_process_group_the_pipeline_says_how_to_start_one():
     with pytest.raises(pl.PipelineError, match="torchrun"):
         pl.DistributedPipeline(make_model("mlp"), n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+
+
+@pytest.mark.parametrize("n_ranks, schedule", [(2, "gpipe"), (3, "1f1b")])
+def test_structures_cross_ranks_with_gradients_for_their_float_tensors(n_ranks, schedule):
+    """Every boundary carries (float tensor, boolean mask, {tensor, int}, None); uneven micro-batches (19 samples
+    in 4) give two input shapes, so two layouts are sent before tensors alone travel."""
+    per_rank = pl.distributed.launch(cases.run_structured, n_ranks, schedule, 4, timeout_seconds=120)
+    model = cases.structured_model()
+    x, y = torch.randn(BATCH, 8, generator=torch.Generator().manual_seed(4)), torch.randn(
+        BATCH, 2, generator=torch.Generator().manual_seed(5))
+    loss, reference = pl.single_device_gradients(model, x, y, torch.nn.MSELoss())
+    grads = {name: grad for rank in per_rank for name, grad in rank["grads"].items()}
+    assert set(grads) == set(reference)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, reference[name], **TOLERANCE)
+    assert all(rank["loss"] == pytest.approx(loss, rel=1e-6) for rank in per_rank)

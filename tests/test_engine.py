@@ -140,16 +140,57 @@ def test_asking_for_cuda_without_a_gpu_says_so():
         pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cuda")
 
 
-def test_a_stage_that_returns_a_tuple_is_refused_clearly():
-    class Pair(nn.Module):
-        def forward(self, x):
-            return x, x
+class Fork(nn.Module):
+    """Returns a structure: a float tensor, a boolean mask, a dict with a tensor and an int, and None."""
 
-    model = nn.Sequential(Pair(), nn.Identity())
-    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=1, schedule="gpipe", loss_fn=nn.MSELoss(), devices="cpu")
-    with pytest.raises(pl.PipelineError, match=r"F\(stage 0, mb 0\) failed on stage 0 \(blocks 0..0\): "
-                       "TypeError: a stage returned tuple; pipelab passes one tensor between stages"):
-        pipe.step(torch.randn(2, 3), torch.randn(2, 3))
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, x):
+        h = self.linear(x)
+        return h, x[:, :1] > 0, {"scale": h.sum(-1, keepdim=True), "n": 3}, None
+
+
+class Join(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(6, 6)
+
+    def forward(self, parts):
+        h, mask, extra, nothing = parts
+        assert nothing is None and extra["n"] == 3 and mask.dtype == torch.bool
+        return self.linear(h * mask + extra["scale"])
+
+
+def structured_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 6), Fork(), Join(), nn.GELU(), nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("checkpoint", ["never", "always"])
+def test_structures_cross_stage_boundaries_with_gradients_for_their_float_tensors(schedule, checkpoint):
+    """A tuple holding a float tensor, a boolean mask, a dict and None crosses from Fork's stage to Join's; the
+    loss and every gradient equal the plain step (the float tensors carry gradients back, the mask none)."""
+    model = structured_model()
+    x, y = torch.randn(10, 6), torch.randn(10, 2)
+    reference_loss, reference = pl.single_device_gradients(model, x, y, nn.MSELoss())
+    partition = pl.Partition([(0, 2), (2, 5)], [model[0:2], model[2:5]], "by hand", [1.0] * 5)
+    result = pl.Pipeline(model, n_stages=2, n_microbatches=3, schedule=schedule, loss_fn=nn.MSELoss(),
+                         devices="cpu", split_method=partition, checkpoint=checkpoint).step(x, y)
+    assert result.loss == pytest.approx(float(reference_loss), rel=1e-6)
+    assert pl.max_gradient_difference(model, reference) < 1e-6
+    assert result.trace.peak_memory[1] > 0
+
+
+def test_a_split_backward_says_it_passes_one_tensor():
+    model = structured_model()
+    partition = pl.Partition([(0, 2), (2, 5)], [model[0:2], model[2:5]], "by hand", [1.0] * 5)
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="zb-h1", loss_fn=nn.MSELoss(), devices="cpu",
+                       split_method=partition)
+    with pytest.raises(pl.PipelineError, match="a split backward .* passes one tensor between stages"):
+        pipe.step(torch.randn(4, 6), torch.randn(4, 2))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

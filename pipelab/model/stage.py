@@ -15,14 +15,16 @@ backward (the "counted" activation memory), and tells an observer of each storag
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_map
 
-from . import split_backward
+from . import boundary, split_backward
 
 
 class SavedTensors:
@@ -91,10 +93,6 @@ def stage_function(module: Callable, fusion: Any = None, loss: Callable[[torch.T
             inp = copy_of(inp)
         with fusion if fusion is not None else contextlib.nullcontext():
             output = module(inp)
-        if not isinstance(output, torch.Tensor):
-            fields = [name for name in ("logits", "last_hidden_state", "loss") if getattr(output, name, None) is not None]
-            hint = f" (it has {', '.join('.' + f for f in fields)}: return one of them)" if fields else ""
-            raise TypeError(f"a stage returned {type(output).__name__}{hint}; pipelab passes one tensor between stages")
         if loss is None:
             return output, None
         value = loss(output)
@@ -106,11 +104,10 @@ def stage_function(module: Callable, fusion: Any = None, loss: Callable[[torch.T
 
 
 def as_input(received: Any, is_first: bool) -> Any:
-    """What the stage computes from: a received float activation becomes a leaf that requires grad (its
-    gradient is what goes back); the first stage's micro-batch, and integer tensors (token ids), stay as they are."""
-    if is_first or not isinstance(received, torch.Tensor) or not received.is_floating_point():
-        return received
-    return received.detach().requires_grad_(True)
+    """What the stage computes from: every received float tensor becomes a leaf that requires grad (its
+    gradient is what goes back, `boundary.py`); the first stage's micro-batch, and integer tensors (token
+    ids, masks), stay as they are."""
+    return received if is_first else boundary.as_leaves(received)
 
 
 @dataclass
@@ -118,8 +115,8 @@ class Held:
     """What a micro-batch holds on a stage from its F to its backward."""
 
     input: Any
-    edge: Any = None  # where the backward starts: the output's GradientEdge (None: nothing to differentiate)
-    rebuild: Callable[[], torch.Tensor] | None = None  # a checkpointed stage: runs the forward again
+    edges: list = field(default_factory=list)  # where the backward starts: (position, GradientEdge) per output tensor
+    rebuild: Callable[[], Any] | None = None  # a checkpointed stage: runs the forward again
 
 
 @dataclass
@@ -138,7 +135,7 @@ def forward(run: Callable[[Any], torch.Tensor], inp: Any, checkpoint: bool = Fal
     (BatchNorm's running statistics) as the first run left them: one real forward, one update."""
     if not checkpoint:
         output = run(inp)
-        return output, Held(inp, edge=_edge(output))
+        return output, Held(inp, edges=[(k, get_gradient_edge(t)) for k, t in boundary.roots(output)])
     state = _rng_state(inp)
     with torch.no_grad():
         output = run(inp)
@@ -174,37 +171,44 @@ def starts_in_place(module: nn.Module) -> bool:
 
 
 def copy_of(inp: Any) -> Any:
-    return inp.clone() if isinstance(inp, torch.Tensor) and inp.requires_grad else inp
+    """`inp` with every tensor that requires grad copied (the copies carry the gradient back to it)."""
+    return tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) and v.requires_grad else v, inp)
 
 
-def _edge(output: torch.Tensor):
-    return torch.autograd.graph.get_gradient_edge(output) if output.requires_grad else None
+def _starts(held: Held, grad_output: Any) -> tuple[list, list]:
+    """Where the backward starts and with which gradients: the output tensors (or their edges) that require grad
+    and got a gradient back; on the last stage (`grad_output` None) the weighted loss, with no gradient."""
+    pairs = boundary.roots(held.rebuild()) if held.rebuild is not None else held.edges
+    grads = boundary.at(grad_output, [k for k, _ in pairs])
+    chosen = [(root, g) for (_, root), g in zip(pairs, grads) if g is not None or grad_output is None]
+    return [root for root, _ in chosen], [g for _, g in chosen]
 
 
-def backward(held: Held, grad_output: torch.Tensor | None) -> torch.Tensor | None:
-    """B: backpropagate through the stage (accumulating the parameters' grads); return the input's gradient."""
-    root = held.rebuild() if held.rebuild is not None else held.edge
-    if root is None:
-        raise RuntimeError("the stage's output does not require grad: there is nothing to backpropagate")
-    torch.autograd.backward(root, grad_output)
-    return _input_grad(held.input)
+def backward(held: Held, grad_output: Any) -> Any:
+    """B: backpropagate through the stage (accumulating the parameters' grads); return the input's gradients
+    (the input's structure, None where nothing goes back)."""
+    starts, grads = _starts(held, grad_output)
+    if starts:  # an output with no tensor that requires grad sends nothing back
+        torch.autograd.backward(starts, None if grad_output is None else grads)
+    return boundary.input_gradients(held.input)
 
 
 def input_gradient(held: Held, grad_output: torch.Tensor | None,
                    parameters: list[torch.Tensor]) -> tuple[torch.Tensor | None, HeldForW]:
-    """I: the input's gradient only (None on a stage whose input needs none), and what W needs."""
-    root = held.rebuild() if held.rebuild is not None else held.edge
-    grad_input, work = split_backward.backward_input(root, grad_output, held.input, parameters)
+    """I: the input's gradient only (None on a stage whose input needs none), and what W needs.  One tensor on
+    each side of the stage: the split backward follows one output to one input."""
+    starts, grads = _starts(held, grad_output)
+    if len(starts) != 1 or len(boundary.tensors(held.input)) > 1:
+        raise ValueError("a split backward (I and W: zero bubble) passes one tensor between stages; this stage "
+                         f"has {len(starts)} output(s) to backpropagate and {len(boundary.tensors(held.input))} "
+                         "input tensors: use a schedule with whole backwards (B)")
+    grad_input, work = split_backward.backward_input(starts[0], grads[0], held.input, parameters)
     return grad_input, HeldForW(work)
 
 
 def weight_gradient(held: HeldForW) -> None:
     """W: add the weight gradients I left into the parameters' `.grad`."""
     split_backward.backward_weight(held.work)
-
-
-def _input_grad(inp: Any) -> torch.Tensor | None:
-    return inp.grad if isinstance(inp, torch.Tensor) and inp.requires_grad else None
 
 
 def _rng_state(inp: Any) -> tuple:

@@ -24,6 +24,7 @@ from torch import nn
 from torch.func import functional_call
 
 from ..common.errors import PipelineError, failure
+from ..model import boundary
 from ..model import stage as stage_ops
 from ..model.fused_accumulation import FusedAccumulation
 from ..schedules.action import Action, Kind
@@ -85,9 +86,10 @@ class StageWorker:
             arrived = (self.inputs[action.microbatch] if self.is_first else message) if action.kind is Kind.F else None
             raise failure(error, self.explain(action, arrived, error)) from error
 
-    def _note(self, tensor: Any, why: str) -> None:
+    def _note(self, value: Any, why: str) -> None:
         if self.keep is not None:
-            self.keep(tensor, why)
+            for tensor in boundary.tensors(value):
+                self.keep(tensor, why)
 
     def _stage_function(self, i: int) -> Callable[[Any], torch.Tensor]:
         """What F(i) computes from the stage's input: its blocks (with the version a stash gives micro-batch
@@ -117,14 +119,16 @@ class StageWorker:
         inp = stage_ops.as_input(to_device(self.inputs[i], self.device) if self.is_first else message, self.is_first)
         self._note(inp, "input")
         output, self.held[i] = stage_ops.forward(self._stage_function(i), inp, self.checkpoint, self.buffers)
-        held_input = isinstance(inp, torch.Tensor) and self.checkpoint
-        self.saved_bytes[i] = inp.untyped_storage().nbytes() if held_input else self.saved.bytes
-        return None if self.is_last else output.detach()
+        if self.checkpoint:  # what it holds until its backward: the input's storages
+            self.saved_bytes[i] = sum(t.untyped_storage().nbytes() for t in boundary.tensors(inp))
+        else:
+            self.saved_bytes[i] = self.saved.bytes
+        return None if self.is_last else boundary.detached(output)
 
     def _recomputing(self, i: int) -> stage_ops.Held:
         """Micro-batch i's `Held`, its input left out of the backward's count (already held since F)."""
         held = self.held[i]
-        self.saved.exclude(held.input)
+        self.saved.exclude(*boundary.tensors(held.input))
         if self.stash is not None:  # a recomputation runs on the stashed weights: weights, not activations
             self.saved.exclude(*self.stash.weights_of(i).values())
         return held
@@ -171,7 +175,8 @@ class StageWorker:
         where += f", rank {self.rank})" if self.rank is not None else ")"
         text = f"{where}: {type(error).__name__}: {error}"
         if action.kind is Kind.F:
-            hint = _shape_hint(self.module, first, arrived, None if self.is_first else self.index - 1, self.index)
+            hint = (_output_hint(arrived, self.index)
+                    or _shape_hint(self.module, first, arrived, None if self.is_first else self.index - 1, self.index))
             if hint:
                 text += f"\n  {hint}"
         return text
@@ -181,10 +186,20 @@ def _loss_of(loss_fn: Callable, output: torch.Tensor, target: Any) -> torch.Tens
     return loss_fn(output, target)
 
 
+def _output_hint(arrived: Any, stage: int) -> str:
+    """When a stage received a model output (a `ModelOutput`) where its blocks expected a tensor: which field."""
+    fields = [name for name in ("logits", "last_hidden_state") if getattr(arrived, name, None) is not None]
+    if isinstance(arrived, torch.Tensor) or not fields:
+        return ""
+    return (f"stage {stage} received a {type(arrived).__name__}, not a tensor: have the previous stage return its "
+            + " or ".join(f".{name}" for name in fields))
+
+
 def _shape_hint(module: nn.Module, first_block: int, arrived: Any, from_stage: int | None, stage: int) -> str:
     """Say what the stage's first block expected, when its first Linear or LayerNorm does not fit the input
-    (its feature size, or its dtype)."""
-    if not isinstance(arrived, torch.Tensor) or arrived.dim() == 0 or len(module) == 0:
+    (its feature size, or its dtype): only on a real mismatch, and only for a `Sequential` of blocks."""
+    if not isinstance(arrived, torch.Tensor) or arrived.dim() == 0 or not isinstance(module, nn.Sequential) \
+            or len(module) == 0:
         return ""
     block = module[0]
     layer = next((m for m in block.modules() if isinstance(m, (nn.Linear, nn.LayerNorm))), None)
@@ -222,18 +237,16 @@ class InProcessTransport:
         source = self.routes.producer(action)
         return None if source is None else self.box.pop(source)
 
-    def send(self, action: Action, tensor: torch.Tensor | None) -> None:
+    def send(self, action: Action, message: Any) -> None:
         target = self.routes.consumer_stage(action)
         if target is None:
             return
-        device = self.devices[target]
-        if tensor.device != device:
-            tensor = tensor.to(device)
-        elif self.device_of_stage[target] != self.device_of_stage[action.stage]:
-            tensor = tensor.clone()
-        self.box[action] = tensor
+        other_device = self.device_of_stage[target] != self.device_of_stage[action.stage]
+        message = boundary.moved(message, self.devices[target], copy=other_device)
+        self.box[action] = message
         if self.observer is not None:
-            self.observer.keep(target, tensor, "received")
+            for tensor in boundary.tensors(message):
+                self.observer.keep(target, tensor, "received")
 
 
 class Transport(Protocol):

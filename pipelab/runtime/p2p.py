@@ -7,7 +7,8 @@ the order the sender sends on that link, and waited on only by the action that n
 NCCL matches point-to-point messages by order and gloo by tag; posting in the sender's order
 satisfies both, so any schedule that `validate` accepts runs without deadlock.  Activations
 get even tags and gradients odd ones, so with two gloo devices (`use_two_connections`) they
-travel on separate connections.  A shape travels once, as a small int64 header.
+travel on separate connections.  A message is any structure of tensors and values; its layout
+(`message_layout.py`) travels once per input shape, then only its tensors, one send each.
 
 Details: docs/distributed.md, "Point to point"; the step times on one connection and on two
 (`benchmarks/vs_torch_pipelining.py --ranks 2 --connections 1` or `2`): the same page,
@@ -24,30 +25,30 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._pytree import tree_flatten
 
 from ..common.errors import LostRankError, PipelineError
 from ..schedules.action import Action
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
+from .message_layout import Layout, gradient_leaves
 
-DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
-          torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128)
-HEADER_SIZE = 10  # dtype code, number of dimensions, up to 8 sizes
+MAX_TENSORS = 64  # tensors in one message
+SLOTS = MAX_TENSORS + 2  # tags per message: the layout's length, the layout, one per tensor
 LOOKAHEAD = 2  # receives posted ahead of need, per sending rank
 
 
-def _tag(action: Action, n_microbatches: int, header: bool = False) -> int:
-    """A tag unique to one message of one step: the producing action, and whether it is the header.
+def _tag(action: Action, n_microbatches: int, slot: int) -> int:
+    """A tag unique to one message of one step: the producing action, and the slot: 0 for the layout's length,
+    1 for the layout, 2 + k for the message's k-th tensor (`SLOTS`).
 
-    Even for what goes forward (an F's activation, or its header), odd for what comes back (a
-    B's or I's gradient; `KindSpec.sends`): gloo picks the connection by tag modulo its number
-    of devices, so with an even number of devices the two directions never share one (module
+    Even for what goes forward (an F's activation), odd for what comes back (a B's or I's
+    gradient; `KindSpec.sends`): gloo picks the connection by tag modulo its number of
+    devices, so with an even number of devices the two directions never share one (module
     docstring).  A stage runs B or I for a micro-batch, never both, so the tag stays unique.
     """
     direction = 0 if action.spec.sends > 0 else 1
-    return 2 * (2 * (action.stage * n_microbatches + action.microbatch) + int(header)) + direction
-
-
+    return 2 * ((action.stage * n_microbatches + action.microbatch) * SLOTS + slot) + direction
 
 
 def loopback_interface() -> str | None:
@@ -69,18 +70,6 @@ def use_two_connections(environ=os.environ) -> str | None:
             return None
         environ["GLOO_SOCKET_IFNAME"] = f"{loopback},{loopback}"
     return environ["GLOO_SOCKET_IFNAME"]
-
-
-def encode_header(tensor: torch.Tensor) -> torch.Tensor:
-    if tensor.dtype not in DTYPES or tensor.dim() > HEADER_SIZE - 2:
-        raise PipelineError(f"cannot send a {tensor.dtype} tensor of {tensor.dim()} dimensions between stages")
-    values = [DTYPES.index(tensor.dtype), tensor.dim(), *tensor.shape]
-    return torch.tensor(values + [0] * (HEADER_SIZE - len(values)), dtype=torch.int64)
-
-
-def decode_header(header: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
-    values = header.tolist()
-    return tuple(values[2:2 + values[1]]), DTYPES[values[0]]
 
 
 def incoming(schedule: Schedule, rank: int) -> dict[int, list[tuple[Action, Action]]]:
@@ -106,8 +95,8 @@ class _Incoming:
 
     def __init__(self, source: Action, consumer: Action):
         self.source, self.consumer = source, consumer
-        self.header: tuple[torch.Tensor, Any] | None = None  # (buffer, work) while a header is expected
-        self.payload: tuple[torch.Tensor, Any] | None = None  # (buffer, work) once the receive is posted
+        self.header: tuple[torch.Tensor, Any] | None = None  # (length buffer, work) while a layout is expected
+        self.payload: tuple[Layout, list[tuple[torch.Tensor, Any]]] | None = None  # once its receives are posted
 
 
 class PointToPointTransport:
@@ -117,21 +106,21 @@ class PointToPointTransport:
         self.schedule, self.rank, self.group, self.device = schedule, rank, group, device
         self.group_size = dist.get_world_size(group)
         self.n_stages, self.n_microbatches = schedule.n_stages, schedule.n_microbatches
-        self.exchange_tag = 4 * (self.n_stages * self.n_microbatches + 1)  # above every tag `_tag` gives in a step
+        self.exchange_tag = 2 * SLOTS * (self.n_stages * self.n_microbatches + 1)  # above every tag of `_tag`
         self.device_of_stage = schedule.device_of_stage()
         self.routes = Routes(schedule)
         # per sending rank, the messages it sends to this rank, in its order
         self.channels = {sender: [_Incoming(source, consumer) for source, consumer in messages]
                          for sender, messages in incoming(schedule, rank).items()}
-        self.known_shapes: dict[tuple, tuple] = {}  # (boundary stage, input signature) -> (shape, dtype)
-        self.headers_sent: set[tuple] = set()
+        self.known_layouts: dict[tuple, Layout] = {}  # (boundary stage, input signature) -> what arrives
+        self.layouts_sent: dict[tuple, Layout] = {}  # (boundary stage, input signature) -> what was announced
         self.observer = None  # a MemoryObserver, told of each receive buffer when it is posted
 
     def start_step(self, signatures: list[tuple]) -> None:
         """Reset for a step; `signatures[i]` describes micro-batch i's input (shapes and dtypes)."""
         self.signatures = signatures
         self.local: dict[Action, Any] = {}  # messages between two stages of this rank
-        self.sent_shapes: dict[tuple[int, int], tuple] = {}  # (stage, mb) -> (shape, dtype) of the activation sent
+        self.sent_layouts: dict[tuple[int, int], Layout] = {}  # (stage, mb) -> the layout of the activation sent
         self.sends: list[tuple[Any, torch.Tensor]] = []
         self.next_to_post = {sender: 0 for sender in self.channels}
         self.position = {m.consumer: (sender, k) for sender, queue in self.channels.items() for k, m in enumerate(queue)}
@@ -153,76 +142,104 @@ class PointToPointTransport:
         sender, k = self.position[action]
         begin = time.perf_counter()
         self._post(sender, k, block=True)
-        buffer, work = self.channels[sender][k].payload
-        self._wait(work, sender, f"waiting for {source} from rank {sender}")
+        layout, receives = self.channels[sender][k].payload
+        for _, work in receives:
+            self._wait(work, sender, f"waiting for {source} from rank {sender}")
         end = time.perf_counter()
         self.waits[action] = (begin, end)
         self.channels[sender][k].payload = None
         self._post(sender, k + LOOKAHEAD, block=False)
-        return buffer
+        return layout.rebuild([buffer for buffer, _ in receives])
 
     def _post(self, sender: int, upto: int, block: bool) -> None:
         """Post the receives from `sender` up to index `upto`, in order; without `block`, stop at an unknown shape."""
         queue = self.channels[sender]
         while self.next_to_post[sender] <= min(upto, len(queue) - 1):
             message = queue[self.next_to_post[sender]]
-            shape = self._shape_of(message, block)
-            if shape is None:
+            layout = self._layout_of(message, block)
+            if layout is None:
                 return
-            buffer = torch.empty(shape[0], dtype=shape[1], device=self.device)
-            work = dist.irecv(buffer, group=self.group, group_src=sender,
-                              tag=_tag(message.source, self.n_microbatches))
-            message.payload = (buffer, work)
+            receives = [(buffer, dist.irecv(buffer, group=self.group, group_src=sender,
+                                            tag=_tag(message.source, self.n_microbatches, 2 + k)))
+                        for k, buffer in enumerate(layout.empty(self.device))]
+            message.payload = (layout, receives)
             self.next_to_post[sender] += 1
             if self.observer is not None:
-                self.observer.keep(message.consumer.stage, buffer, "received")
+                for buffer, _ in receives:
+                    self.observer.keep(message.consumer.stage, buffer, "received")
 
-    def _shape_of(self, message: _Incoming, block: bool) -> tuple | None:
+    def _layout_of(self, message: _Incoming, block: bool) -> Layout | None:
+        """What `message` holds; an activation of a new input shape first receives its layout (a length, then the
+        bytes); without `block`, None while the length has not arrived."""
         source = message.source
-        if source.spec.sends < 0:  # a gradient: shaped like the activation this rank sent
-            return self.sent_shapes.get((message.consumer.stage, source.microbatch))
+        if source.spec.sends < 0:  # a gradient: laid out like the activation this rank sent
+            sent = self.sent_layouts.get((message.consumer.stage, source.microbatch))
+            return None if sent is None else sent.of_gradient()
         key = (source.stage, self.signatures[source.microbatch])
-        if key in self.known_shapes:
-            return self.known_shapes[key]
+        if key in self.known_layouts:
+            return self.known_layouts[key]
+        peer = self.device_of_stage[source.stage]
         if message.header is None:
-            buffer = torch.empty(HEADER_SIZE, dtype=torch.int64, device=self.device)
-            work = dist.irecv(buffer, group=self.group, group_src=self.device_of_stage[source.stage],
-                              tag=_tag(source, self.n_microbatches, header=True))
-            message.header = (buffer, work)
-        buffer, work = message.header
+            length = torch.zeros(1, dtype=torch.int64, device=self.device)
+            message.header = (length, dist.irecv(length, group=self.group, group_src=peer,
+                                                 tag=_tag(source, self.n_microbatches, 0)))
+        length, work = message.header
         if not block and not work.is_completed():
             return None
-        self._wait(work, self.device_of_stage[source.stage], f"waiting for the shape of {source}")
-        self.known_shapes[key] = decode_header(buffer)
+        self._wait(work, peer, f"waiting for the layout of {source}")
+        data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
+        self._wait(dist.irecv(data, group=self.group, group_src=peer, tag=_tag(source, self.n_microbatches, 1)),
+                   peer, f"waiting for the layout of {source}")
+        self.known_layouts[key] = Layout.decode(data.cpu())
         message.header = None
-        return self.known_shapes[key]
+        return self.known_layouts[key]
 
     # -- sending -------------------------------------------------------------------------
-    def send(self, action: Action, tensor: torch.Tensor | None) -> None:
+    def send(self, action: Action, message: Any) -> None:
         target = self.routes.consumer_stage(action)
         if target is None:
             return
-        forward = action.spec.sends > 0  # an activation (else a gradient going back)
-        if forward:
-            self.sent_shapes[(action.stage, action.microbatch)] = (tuple(tensor.shape), tensor.dtype)
         destination = self.device_of_stage[target]
+        if action.spec.sends > 0:  # an activation
+            layout = Layout.of(message)
+            self.sent_layouts[(action.stage, action.microbatch)] = layout
+            if destination != self.rank:
+                self._announce(action, layout, destination)
+            tensors = [leaf for leaf in tree_flatten(message)[0] if isinstance(leaf, torch.Tensor)]
+        else:  # a gradient: laid out like the activation that stage sent here
+            if destination != self.rank:  # zeros where a differentiable leaf got no gradient
+                layout = self.known_layouts[(target, self.signatures[action.microbatch])]
+                tensors = gradient_leaves(layout, message, self.device)
         if destination == self.rank:
-            self.local[action] = tensor
+            self.local[action] = message
             return
-        if tensor is None:
-            raise PipelineError(f"{action.describe()} produced no gradient to send to stage {target}: "
-                                "the activation it received did not require grad")
-        tensor = tensor.contiguous()
-        if forward:
-            key = (action.stage, self.signatures[action.microbatch])
-            if key not in self.headers_sent:
-                header = encode_header(tensor).to(self.device)
-                self.sends.append((dist.isend(header, group=self.group, group_dst=destination,
-                                              tag=_tag(action, self.n_microbatches, header=True)), header))
-                self.headers_sent.add(key)
+        if len(tensors) > MAX_TENSORS:
+            raise PipelineError(f"{action.describe()} sends {len(tensors)} tensors; a message holds at most "
+                                f"{MAX_TENSORS}: group them into fewer tensors")
         self.sent_at[action] = time.perf_counter()
-        work = dist.isend(tensor, group=self.group, group_dst=destination, tag=_tag(action, self.n_microbatches))
-        self.sends.append((work, tensor))
+        for k, tensor in enumerate(tensors):
+            tensor = tensor.contiguous()
+            work = dist.isend(tensor, group=self.group, group_dst=destination,
+                              tag=_tag(action, self.n_microbatches, 2 + k))
+            self.sends.append((work, tensor))
+
+    def _announce(self, action: Action, layout: Layout, destination: int) -> None:
+        """Send the layout the first time a micro-batch input of this shape crosses this boundary; later, check
+        that it is the same (values that are not tensors travel in the layout only)."""
+        key = (action.stage, self.signatures[action.microbatch])
+        announced = self.layouts_sent.get(key)
+        if announced is not None:
+            if announced != layout:
+                raise PipelineError(f"{action.describe()} sends a message laid out otherwise than the one it sent "
+                                    f"for a micro-batch of the same shape ({announced.leaves} then {layout.leaves}): a "
+                                    "value that is not a tensor may not change between micro-batches")
+            return
+        data = layout.encode().to(self.device)
+        length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
+        for slot, tensor in ((0, length), (1, data)):
+            self.sends.append((dist.isend(tensor, group=self.group, group_dst=destination,
+                                          tag=_tag(action, self.n_microbatches, slot)), tensor))
+        self.layouts_sent[key] = layout
 
     def finish(self) -> None:
         """Wait until every message this rank sent has gone (the tensors may then be freed)."""
