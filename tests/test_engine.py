@@ -168,7 +168,7 @@ def structured_model() -> nn.Sequential:
     return nn.Sequential(nn.Linear(6, 6), Fork(), Join(), nn.GELU(), nn.Linear(6, 2))
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 def test_structures_cross_stage_boundaries_with_gradients_for_their_float_tensors(schedule, checkpoint):
     """A tuple holding a float tensor, a boolean mask, a dict and None crosses from Fork's stage to Join's; the
@@ -182,15 +182,6 @@ def test_structures_cross_stage_boundaries_with_gradients_for_their_float_tensor
     assert result.loss == pytest.approx(float(reference_loss), rel=1e-6)
     assert pl.max_gradient_difference(model, reference) < 1e-6
     assert result.trace.peak_memory[1] > 0
-
-
-def test_a_split_backward_says_it_passes_one_tensor():
-    model = structured_model()
-    partition = pl.Partition([(0, 2), (2, 5)], [model[0:2], model[2:5]], "by hand", [1.0] * 5)
-    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="zb-h1", loss_fn=nn.MSELoss(), devices="cpu",
-                       split_method=partition)
-    with pytest.raises(pl.PipelineError, match="a split backward .* passes one tensor between stages"):
-        pipe.step(torch.randn(4, 6), torch.randn(4, 2))
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
@@ -235,8 +226,9 @@ def test_both_engines_take_keywords_with_the_same_names_in_the_same_order():
         assert all(p.kind is p.KEYWORD_ONLY for name, p in parameters.items() if name != "model")
     shared = [name for name in local if name in distributed]
     assert shared == [name for name in distributed if name in local]
-    assert shared == ["model", "n_microbatches", "schedule", "loss_fn", "devices", "split_method", "sample",
-                      "checkpoint", "threads", "optimizer", "fused_accumulation"]
+    assert shared == ["model", "n_microbatches", "schedule", "loss_fn", "loss_normalization", "devices",
+                      "split_method", "split_points", "sample", "checkpoint", "threads", "optimizer",
+                      "fused_accumulation"]
     with pytest.raises(TypeError, match="positional"):
         pl.Pipeline(pl.models.mlp(depth=2, width=4), 2, 2)
 

@@ -12,7 +12,13 @@ import torch
 from torch import nn
 
 import pipelab as pl
-from pipelab.model.split_backward import _graph, backward_input, backward_weight
+from pipelab.model.split_backward import _graph_of, backward_input, backward_weight
+
+
+def one_input(output, grad_output, inp, parameters):
+    """backward_input for one output and one input: (the input's gradient or None, the work for W)."""
+    found, work = backward_input([output], [grad_output], [inp], parameters)
+    return (found[0] if found else None), work
 
 
 def split_run(stage: nn.Module, inp: torch.Tensor, grad_output: torch.Tensor | None):
@@ -22,8 +28,8 @@ def split_run(stage: nn.Module, inp: torch.Tensor, grad_output: torch.Tensor | N
     output = stage(inp)
     ran = {"B": [], "W": []}
     phase = ["B"]
-    hooks = [n.register_hook(lambda gi, go, n=n: ran[phase[0]].append(n.name())) for n in _graph(output.grad_fn)]
-    grad_input, work = backward_input(output, grad_output, inp, list(stage.parameters()))
+    hooks = [n.register_hook(lambda gi, go, n=n: ran[phase[0]].append(n.name())) for n in _graph_of([output.grad_fn])]
+    grad_input, work = one_input(output, grad_output, inp, list(stage.parameters()))
     phase[0] = "W"
     backward_weight(work)
     for h in hooks:
@@ -69,7 +75,7 @@ def test_w_adds_to_existing_gradients():
     _, once, _ = split_run(stage, x.clone().requires_grad_(True), grad_output)
     once = [g.clone() for g in once]
     inp = x.clone().requires_grad_(True)
-    _, work = backward_input(stage(inp), grad_output, inp, list(stage.parameters()))
+    _, work = one_input(stage(inp), grad_output, inp, list(stage.parameters()))
     backward_weight(work)  # .grad already holds `once`: W adds, like loss.backward()
     for p, g in zip(stage.parameters(), once):
         assert torch.equal(p.grad, g + g)
@@ -90,8 +96,35 @@ def test_last_stage_loss_without_grad_output():
     x.requires_grad_(True)
     ref = torch.autograd.grad(stage(x).pow(2).mean(), [x] + list(stage.parameters()))
     x2 = x.detach().requires_grad_(True)
-    got_input, work = backward_input(stage(x2).pow(2).mean(), None, x2, list(stage.parameters()))
+    got_input, work = one_input(stage(x2).pow(2).mean(), None, x2, list(stage.parameters()))
     backward_weight(work)
     assert torch.equal(got_input, ref[0])
     for p, r in zip(stage.parameters(), ref[1:]):
         assert torch.equal(p.grad, r)
+
+
+class TwoWay(nn.Module):
+    """Two inputs in, two outputs out, the weights mixed across them (a stage passing a structure on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        h = torch.tanh(self.a(x)) + self.b(y)
+        return self.c(h), h * y
+
+
+def test_several_inputs_and_outputs_give_the_plain_gradients():
+    torch.manual_seed(0)
+    stage, x, y = TwoWay(), torch.randn(4, 8, requires_grad=True), torch.randn(4, 8, requires_grad=True)
+    outputs = stage(x, y)
+    grads = [torch.randn_like(o) for o in outputs]
+    want = torch.autograd.grad(outputs, [x, y, *stage.parameters()], grads)
+    x2, y2 = x.detach().requires_grad_(True), y.detach().requires_grad_(True)
+    found, work = backward_input(list(stage(x2, y2)), grads, [x2, y2], list(stage.parameters()))
+    assert all(p.grad is None for p in stage.parameters())  # I touched no weight
+    backward_weight(work)
+    assert torch.equal(found[0], want[0]) and torch.equal(found[1], want[1])
+    for p, w in zip(stage.parameters(), want[2:]):
+        assert torch.allclose(p.grad, w, rtol=1e-6, atol=1e-7)

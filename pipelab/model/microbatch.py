@@ -88,3 +88,14 @@ def merge(chunks: list[Any]) -> Any:
         parts = [merge([c[i] for c in chunks]) for i in range(len(first))]
         return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
     return first
+
+
+def signature(batch: Any) -> tuple:
+    """The shapes and dtypes of a micro-batch's tensors (and the types of its other values)."""
+    if isinstance(batch, torch.Tensor):
+        return (tuple(batch.shape), str(batch.dtype))
+    if isinstance(batch, dict):
+        return tuple((k, signature(v)) for k, v in batch.items())
+    if isinstance(batch, (list, tuple)):
+        return tuple(signature(v) for v in batch)
+    return (type(batch).__name__,)

@@ -22,6 +22,8 @@ from torch import nn
 
 from ..common.checks import check_repeats
 from ..common.threads import intra_op_threads
+from . import microbatch
+from .named_split import repeated_blocks, split_by_names
 from .stage import buffers_kept, copy_of, starts_in_place
 
 METHODS = ("uniform", "params", "time")
@@ -35,6 +37,7 @@ class Partition:
     stages: list[nn.Sequential]
     method: str
     block_costs: list[float]
+    traced_for: Any = None  # split by names: the micro-batch the stages were traced for (`microbatch.signature`)
 
     @property
     def stage_costs(self) -> list[float]:
@@ -132,19 +135,29 @@ def _time_blocks(model: nn.Sequential, sample: Any, copies: list[bool], times: l
         x = out.detach()
 
 
-def split(model: nn.Module, n_stages: int, method: str = "uniform", sample: Any = None,
-          threads: int | None = 1, repeats: int = 5) -> Partition:
+def split(model: nn.Module, n_stages: int | None = None, method: str = "uniform", sample: Any = None,
+          threads: int | None = 1, repeats: int = 5, *, split_points: list[str] | None = None) -> Partition:
     """Split `model` (an `nn.Sequential` of blocks) into `n_stages` contiguous stages.
 
     The stages are slices of `model`: they share its parameters, so gradients computed
     through the stages land in `model.parameters()`.  method="time" needs `sample`, an
     input batch for the first block, and times the blocks on `threads` intra-op threads
     (default 1; None: the caller's setting), each block's cost the best of `repeats` runs.
+
+    Any other module: `sample`, one micro-batch as the model's keyword arguments, and either
+    `split_points`, the names of the modules where a new stage begins (`model.named_modules()`),
+    or `n_stages` with method "uniform" or "params" over its repeated blocks (`points_for`): the
+    model's own forward is traced and cut there (`named_split.py`).
     """
+    if split_points is None and not isinstance(model, nn.Sequential) and sample is not None:
+        split_points = points_for(model, n_stages, method)  # any other module: between its repeated blocks
+    if split_points is not None:
+        return _split_by_names(model, split_points, sample, n_stages)
     if not isinstance(model, nn.Sequential):
         raise TypeError(
-            f"pl.split needs an nn.Sequential of blocks, got {type(model).__name__}; "
-            "write the model as nn.Sequential(block_1, block_2, ...) so it can be cut between blocks"
+            f"pl.split cuts an nn.Sequential between its blocks, and any other module ({type(model).__name__}) "
+            "by tracing its forward on sample= (one micro-batch, as its keyword arguments): between its repeated "
+            "blocks, or before the modules you name, split_points=['transformer.h.4']"
         )
     if len(model) == 0:
         raise ValueError("the model has no blocks to split")
@@ -167,3 +180,31 @@ def split(model: nn.Module, n_stages: int, method: str = "uniform", sample: Any 
         bounds = balanced_bounds(costs, n_stages)
     stages = [model[a:b] for a, b in bounds]
     return Partition(bounds, stages, method, costs)
+
+
+def points_for(model: nn.Module, n_stages: int, method: str) -> list[str]:
+    """Split points that cut the repeated blocks (`repeated_blocks`) into `n_stages` runs: the same number of
+    blocks each ("uniform"), or balanced parameter counts ("params", the blocks' own parameters: an embedding
+    before them counts on the first stage's side of the scale not at all)."""
+    name, blocks = repeated_blocks(model)
+    if method == "uniform":
+        bounds = uniform_bounds(len(blocks), n_stages)
+    elif method == "params":
+        bounds = balanced_bounds([sum(p.numel() for p in block.parameters()) for block in blocks], n_stages)
+    else:
+        raise ValueError(f"a model split by names is cut by method 'uniform' or 'params', got {method!r}; "
+                         "or name the modules: split_points=[...]")
+    return [f"{name}.{a}" for a, _ in bounds[1:]]
+
+
+def _split_by_names(model: nn.Module, split_points: list[str], sample: Any, n_stages: int | None) -> Partition:
+    if isinstance(split_points, str) or not all(isinstance(name, str) for name in split_points):
+        raise TypeError(f"split_points is a list of module names, like ['transformer.h.4'], got {split_points!r}")
+    if n_stages is not None and n_stages != len(split_points) + 1:
+        raise ValueError(f"{len(split_points)} split points make {len(split_points) + 1} stages, not n_stages={n_stages}")
+    if sample is None:
+        raise ValueError("split_points traces the model's forward on one micro-batch: pass sample=<one micro-batch, "
+                         "as the model's keyword arguments>")
+    stages = split_by_names(model, list(split_points), sample)
+    return Partition([(s, s + 1) for s in range(len(stages))], stages, "names", [1.0] * len(stages),
+                     traced_for=(microbatch.signature(sample), model.training))

@@ -26,20 +26,27 @@ class WeightWork:
     the weights their branches reach."""
 
     groups: list[tuple[list[Node], list[tuple], list[torch.Tensor]]] = field(default_factory=list)
-    whole: tuple[GradientEdge, torch.Tensor | None] | None = None  # (output's edge, grad) without an input path
+    whole: tuple[list[GradientEdge], list] | None = None  # (the outputs' edges, their grads) without an input path
     parameters: list[torch.Tensor] = field(default_factory=list)
 
     def recorded_gradients(self) -> list[torch.Tensor]:
         """The gradients I recorded for W (memory a stage holds from I to W, with the graph's saved tensors)."""
         found = [g for _, recorded, _ in self.groups for grads in recorded for g in grads if g is not None]
-        if self.whole is not None and self.whole[1] is not None:
-            found.append(self.whole[1])
+        if self.whole is not None:
+            found += [g for g in self.whole[1] if g is not None]
         return found
 
 
-def _graph(root: Node) -> list[Node]:
-    """Every node reachable from `root`, parents before children (a reverse post-order)."""
-    order, seen, stack = [], {root}, [(root, iter(root.next_functions))]
+def _graph_of(roots: list[Node]) -> list[Node]:
+    """Every node reachable from `roots`, parents before children (a reverse post-order)."""
+    order, seen = [], set(roots)
+    for root in roots:
+        _visit(root, seen, order)
+    return order[::-1]
+
+
+def _visit(root: Node, seen: set, order: list) -> None:
+    stack = [(root, iter(root.next_functions))]
     while stack:
         node, children = stack[-1]
         for child, _ in children:
@@ -50,32 +57,37 @@ def _graph(root: Node) -> list[Node]:
         else:
             stack.pop()
             order.append(node)
-    return order[::-1]
 
 
-def backward_input(output: torch.Tensor | GradientEdge, grad_output: torch.Tensor | None, inp,
-                   parameters: list[torch.Tensor]):
-    """I: return d loss / d `inp` (None without an input path) and the `WeightWork` W needs.
+def backward_input(outputs: list, grad_outputs: list, inputs: list[torch.Tensor], parameters: list[torch.Tensor]):
+    """I: return d loss / d each of `inputs` (those that require grad; None where a gradient does not reach)
+    and the `WeightWork` W needs.
 
-    `output` is the stage's output or its GradientEdge; `grad_output` None for a scalar output.
+    `outputs` are the stage's output tensors (or their GradientEdges) the backward starts from, with
+    `grad_outputs` (None for a scalar output).  Without an input that requires grad, I computes nothing.
     """
-    if isinstance(output, torch.Tensor):
-        if output.grad_fn is None:
-            raise ValueError("the stage output has no graph to differentiate (does any input or weight require grad?)")
-        output = get_gradient_edge(output)
-    grad = grad_output
+    edges = []
+    for output in outputs:
+        if isinstance(output, torch.Tensor):
+            if output.grad_fn is None:
+                raise ValueError("the stage output has no graph to differentiate (does any input or weight "
+                                 "require grad?)")
+            output = get_gradient_edge(output)
+        edges.append(output)
+    grads = list(grad_outputs)
     trainable = [p for p in parameters if p.requires_grad]
     work = WeightWork(parameters=trainable)
-    if not (isinstance(inp, torch.Tensor) and inp.requires_grad):
-        work.whole = (output, grad)
-        return None, work
-    target = get_gradient_edge(inp).node
+    inputs = [t for t in inputs if t.requires_grad]
+    if not inputs:
+        work.whole = (edges, grads)
+        return [], work
+    targets = {get_gradient_edge(t).node for t in inputs}
     weight_nodes = {get_gradient_edge(p).node: p for p in trainable}
-    nodes = _graph(output.node)
+    nodes = [node for node in _graph_of([edge.node for edge in edges])]
     to_input, to_weights = {}, {}  # node -> reaches the input / the set of weights it reaches
     for node in reversed(nodes):  # children first
         children = [c for c, _ in node.next_functions if c is not None]
-        to_input[node] = node is target or any(to_input[c] for c in children)
+        to_input[node] = node in targets or any(to_input[c] for c in children)
         reached = {id(weight_nodes[node])} if node in weight_nodes else set()
         for c in children:
             reached |= to_weights[c]
@@ -94,7 +106,7 @@ def backward_input(output: torch.Tensor | GradientEdge, grad_output: torch.Tenso
     handles = [node.register_prehook(lambda grads, node=node: recorded.__setitem__(node, grads))
                for members, _ in groups for node in members]
     try:
-        (grad_input,) = torch.autograd.grad(output, inp, grad, retain_graph=True)
+        grad_inputs = torch.autograd.grad(edges, inputs, grads, retain_graph=True, allow_unused=True)
     finally:
         for handle in handles:
             handle.remove()
@@ -102,15 +114,15 @@ def backward_input(output: torch.Tensor | GradientEdge, grad_output: torch.Tenso
     for members, reached in groups:
         members = [n for n in members if n in recorded]
         work.groups.append((members, [recorded[n] for n in members], [by_id[i] for i in sorted(reached)]))
-    return grad_input, work
+    return list(grad_inputs), work
 
 
 def backward_weight(work: WeightWork) -> None:
     """W: add d loss / d weights into each weight's `.grad`, from what I recorded."""
     if work.whole is not None:
-        output, grad = work.whole
+        edges, grads = work.whole
         work.whole = None
-        found = torch.autograd.grad(output, work.parameters, grad, allow_unused=True)
+        found = torch.autograd.grad(edges, work.parameters, grads, allow_unused=True)
         _accumulate(work.parameters, found)
         return
     for members, recorded, weights in work.groups:

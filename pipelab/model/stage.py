@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from . import boundary, split_backward
 
@@ -193,17 +193,19 @@ def backward(held: Held, grad_output: Any) -> Any:
     return boundary.input_gradients(held.input)
 
 
-def input_gradient(held: Held, grad_output: torch.Tensor | None,
-                   parameters: list[torch.Tensor]) -> tuple[torch.Tensor | None, HeldForW]:
-    """I: the input's gradient only (None on a stage whose input needs none), and what W needs.  One tensor on
-    each side of the stage: the split backward follows one output to one input."""
+def input_gradient(held: Held, grad_output: Any, parameters: list[torch.Tensor]) -> tuple[Any, HeldForW]:
+    """I: the input's gradients only (its structure, as `backward` returns them; None where nothing goes back),
+    and what W needs."""
     starts, grads = _starts(held, grad_output)
-    if len(starts) != 1 or len(boundary.tensors(held.input)) > 1:
-        raise ValueError("a split backward (I and W: zero bubble) passes one tensor between stages; this stage "
-                         f"has {len(starts)} output(s) to backpropagate and {len(boundary.tensors(held.input))} "
-                         "input tensors: use a schedule with whole backwards (B)")
-    grad_input, work = split_backward.backward_input(starts[0], grads[0], held.input, parameters)
-    return grad_input, HeldForW(work)
+    flat, spec = tree_flatten(held.input)
+    wanted = [k for k, leaf in enumerate(flat) if isinstance(leaf, torch.Tensor) and leaf.requires_grad]
+    found, work = split_backward.backward_input(starts, grads, [flat[k] for k in wanted], parameters)
+    if not any(g is not None for g in found):
+        return None, HeldForW(work)
+    leaves = [None] * len(flat)
+    for k, g in zip(wanted, found):
+        leaves[k] = g
+    return tree_unflatten(leaves, spec), HeldForW(work)
 
 
 def weight_gradient(held: HeldForW) -> None:

@@ -91,13 +91,22 @@ def _load(model: nn.Module, path, optimizer, group) -> None:
 
 # ---- the model ---------------------------------------------------------------------------------------------
 
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict with each tensor once, under its first name: a tied weight (GPT-2's `lm_head.weight`
+    is `transformer.wte.weight`) is saved and loaded once."""
+    seen: set[int] = set()
+    first = [name for name, t in model.state_dict(keep_vars=True).items() if not (id(t) in seen or seen.add(id(t)))]
+    state = model.state_dict()
+    return {name: state[name] for name in first}
+
+
 def _owned(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state_dict without the blocks other ranks keep (those are on the meta device here)."""
-    return {name: tensor for name, tensor in model.state_dict().items() if tensor.device.type != "meta"}
+    """The model's tensors without the blocks other ranks keep (those are on the meta device here)."""
+    return {name: tensor for name, tensor in _state(model).items() if tensor.device.type != "meta"}
 
 
 def _check_model(model: nn.Module, saved: dict, path) -> None:
-    expected = model.state_dict()  # the meta tensors too: every rank knows every name and shape
+    expected = _state(model)  # the meta tensors too: every rank knows every name and shape
     missing = [name for name in expected if f"model.{name}" not in saved]
     if missing:
         mine = sum(expected[name].device.type != "meta" for name in missing)

@@ -4,8 +4,8 @@
 which counts collectives but not their bytes): every `torch.distributed` call reaches the
 dispatcher as a `c10d` op and every DTensor collective as a `_c10d_functional` op, so the
 mode sees each one with its tensors and its process group.  A call is put in a kind by its
-group (and op): "pp", "pp_received", "pp_gather", "tp", "dp" or "other"; `label(kind)` puts
-every call inside it in `kind`.  A record's bytes are the payload the call was given, not
+group (and op): "pp", "pp_received", "pp_gather", "tp", "dp", "tied" (a shared parameter's
+gradient) or "other"; `label(kind)` puts every call inside it in `kind`.  A record's bytes are the payload the call was given, not
 what the algorithm puts on the wire.
 
 Details (what each kind holds, payload against wire bytes): docs/hybrid.md, "Counting
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-KINDS = ("pp", "pp_received", "pp_gather", "tp", "dp", "other")
+KINDS = ("pp", "pp_received", "pp_gather", "tp", "dp", "tied", "other")
 _labels = threading.local()
 
 # ops whose payload is their second argument (the first is the output)

@@ -29,6 +29,7 @@ from ..common.gc_pause import gc_paused
 from ..common.threads import check_threads, intra_op_threads
 from ..model import microbatch
 from ..model.batch_norm import warn_if_batch_norm
+from ..model.token_weights import token_counter
 from ..model.partition import Partition, balanced_bounds, split
 from ..predict.layout import Layout
 from ..predict.memory import activation_samples, checkpoint_plan
@@ -54,13 +55,17 @@ from .p2p import PointToPointTransport
 from .step import (
     StepResult,
     batch_size,
+    build_partition,
     check_loss_fn,
+    check_traced,
     check_microbatch_count,
     cut_batch,
     make_workers,
     resolve_schedule,
     step_loss,
+    unique_parameters,
 )
+from .shared_parameters import SharedParameters, keep_own_stages
 
 
 class DistributedPipeline:
@@ -73,20 +78,27 @@ class DistributedPipeline:
     Everything after `model` is a keyword, in the same order as `pl.Pipeline`'s.
 
     Args:
-        model: the full `nn.Sequential` of blocks, built identically on every rank (same seed).
+        model: the full model (an `nn.Sequential` of blocks, or any module with `split_points`), built
+            identically on every rank (same seed).
             The blocks of other ranks' stages are moved to the "meta" device (freed); this
             rank's blocks stay and receive the gradients, under their names in `model`.
         n_microbatches: m.
         schedule: "gpipe", "1f1b", "zb-h1" or a `Schedule` whose number of devices is the group's size:
             a rank may run several stages (interleaved 1F1B: `schedule.device_of_stage()`), and W
             actions split the backward as in `pl.Pipeline`.
-        loss_fn: loss(output, target) returning the mean over a micro-batch.
+        loss_fn: loss(output, target) returning the mean over a micro-batch; None for a model split by names
+            that computes its own loss (`output.loss`, with labels in the batch).
+        loss_normalization: "samples" (micro-batch i counts n_i / N) or "tokens" (c_i / C, its counted tokens:
+            labels other than -100; exact for a token-mean loss with padding; `model/token_weights.py`).
         devices: this rank's device; None picks cuda:LOCAL_RANK with NCCL, else the CPU.  (`device=`,
             its name before, still works and warns.)
         split_method: "uniform", "params", "time" or a ready `Partition` (the same on every rank).
             "time" needs `sample` (an input batch); rank 0 measures the blocks and sends the
             costs to the others, so that every rank cuts the model at the same places.
-        sample: an input batch, for split_method="time".
+        split_points: any `nn.Module`, cut before each named module (`model/named_split.py`), as in
+            `pl.Pipeline`; a parameter stages on two ranks use (a tied embedding) is kept on both, its
+            gradient summed over them after the step (`runtime/shared_parameters.py`).
+        sample: an input batch, for split_method="time" and for split_points.
         checkpoint: activation checkpointing per stage, as in `pl.Pipeline`.
         threads: intra-op threads while a step runs on a CPU (default 1, so that ranks sharing
             a machine's cores really run in parallel; the caller's setting restored after); None
@@ -106,9 +118,10 @@ class DistributedPipeline:
     """
 
     def __init__(self, model: nn.Module, *, n_microbatches: int, schedule: str | Schedule = "1f1b",
-                 loss_fn: Callable | None = None, devices: Any = None, split_method: str | Partition = "uniform",
-                 sample: Any = None, checkpoint: str | list[bool] = "never", threads: int | None = 1,
-                 optimizer: Callable | None = None, fused_accumulation: bool = True, group=None,
+                 loss_fn: Callable | None = None, loss_normalization: str = "samples", devices: Any = None,
+                 split_method: str | Partition = "uniform", split_points: list[str] | None = None, sample: Any = None,
+                 checkpoint: str | list[bool] = "never", threads: int | None = 1, optimizer: Callable | None = None,
+                 fused_accumulation: bool = True, group=None,
                  tensor_parallel: int = 1, data_parallel: int = 1, tensor_parallel_plan: Callable | None = None,
                  layout: Layout | None = None, device: Any = None):
         if device is not None:
@@ -119,12 +132,16 @@ class DistributedPipeline:
             raise PipelineError("DistributedPipeline runs inside a process group: start it with torchrun "
                                 "(torchrun --nproc-per-node 2 -m pipelab.launch ...) or pl.distributed.launch(fn, 2)")
         # every check below needs no communication, so a bad launch fails the same way on every rank
-        check_loss_fn(loss_fn)
+        check_loss_fn(loss_fn, traced=split_points is not None or not isinstance(model, nn.Sequential))
         check_microbatch_count(n_microbatches)
+        self.count_tokens = token_counter(model, loss_fn, loss_normalization)  # None: weights by samples
         self.hybrid = None  # the ("dp", "pp", "tp") mesh of a hybrid layout (`runtime/hybrid.py`)
         if layout is not None or tensor_parallel_plan is not None or (data_parallel, tensor_parallel) != (1, 1):
             if group is not None:
                 raise ValueError("a hybrid layout spans the whole world (its mesh); group= is for a plain pipeline")
+            if split_points is not None:
+                raise ValueError("split_points (a model split by names) runs as a plain pipeline: tensor and data "
+                                 "parallelism need pl.models' blocks and their plans")
             if split_method == "time":
                 raise ValueError('split_method="time" is not supported with a hybrid layout (each pipeline would '
                                     'time its own blocks and could cut elsewhere); use "uniform", "params" or a Partition')
@@ -146,7 +163,8 @@ class DistributedPipeline:
         self.device = self._resolve_device(devices)
         self.threads = check_threads(threads) if self.device.type == "cpu" else None
         with self._context():
-            self._build(model, loss_fn, split_method, sample, optimizer, fused_accumulation, tensor_parallel_plan)
+            self._build(model, loss_fn, split_method, split_points, sample, optimizer, fused_accumulation,
+                        tensor_parallel_plan)
 
     def _context(self):
         """Where this rank's work runs: its intra-op threads on a CPU, its GPU as the current device on CUDA
@@ -155,20 +173,20 @@ class DistributedPipeline:
             return torch.cuda.device(self.device)
         return intra_op_threads(self.threads)
 
-    def _build(self, model, loss_fn, split_method, sample, optimizer, fused_accumulation, tensor_parallel_plan):
-        if isinstance(split_method, Partition):
-            self.partition = split_method
-        elif split_method == "time":
+    def _build(self, model, loss_fn, split_method, split_points, sample, optimizer, fused_accumulation,
+               tensor_parallel_plan):
+        if split_method == "time" and split_points is None and isinstance(model, nn.Sequential):
             self.partition = self._split_by_time(model, sample)
         else:
-            self.partition = split(model, self.n_stages, split_method)
+            self.partition = build_partition(model, self.n_stages, self.n_microbatches, split_method, split_points,
+                                             sample, self.threads)
         if len(self.partition) != self.n_stages:
             raise ValueError(f"the partition has {len(self.partition)} stages, the schedule {self.n_stages}")
 
         device_of_stage = self.schedule.device_of_stage()
         self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
-        for s, stage in enumerate(self.partition.stages):
-            stage.to(self.device if s in self.stages else "meta")  # "meta": the other ranks' blocks are freed
+        self.shared = SharedParameters(self.partition.stages, model, device_of_stage, self.group, self.rank)
+        keep_own_stages(model, self.partition.stages, self.stages, self.device)  # the other ranks' tensors: freed
         self.workers = make_workers(self.schedule, self.partition, self.stages, loss_fn, self.checkpoint,
                                     lambda s: self.device, rank=self.rank, optimizer=optimizer,
                                     fused_accumulation=fused_accumulation)
@@ -215,8 +233,9 @@ class DistributedPipeline:
         return device
 
     def parameters(self) -> list[nn.Parameter]:
-        """This rank's parameters (give them to the optimizer; DTensors under tensor parallelism)."""
-        return [p for s in self.stages for p in self.partition.stages[s].parameters()]
+        """This rank's parameters, each once (give them to the optimizer; DTensors under tensor parallelism).
+        A parameter stages on several ranks use (a tied embedding) is on each of them, kept equal."""
+        return unique_parameters([self.partition.stages[s] for s in self.stages])
 
     def parameter_bytes(self) -> int:
         """Bytes of the parameters this rank holds (its shards under tensor parallelism)."""
@@ -260,7 +279,7 @@ class DistributedPipeline:
         """Load this rank's parameters (and `optimizer`'s state for them) from `path`; call on every rank."""
         checkpoint.load(self, path, optimizer)
 
-    def step(self, inputs: Any, targets: Any) -> StepResult:
+    def step(self, inputs: Any, targets: Any = None) -> StepResult:
         """One training step; call it on every rank with the same whole batch.
 
         Gradients of the mean loss over the batch are *added* to this rank's parameters'
@@ -282,9 +301,13 @@ class DistributedPipeline:
         if total < d * self.n_microbatches:
             raise ValueError(f"a batch of {total} samples cannot give each of data_parallel={d} replicas "
                              f"{self.n_microbatches} micro-batches")
-        weight = microbatch.sizes(total, d)[self.dp_index] / total
         share = self.dp_index
-        result = self._pipeline_step(microbatch.split(inputs, d)[share], microbatch.split(targets, d)[share])
+        my_inputs = microbatch.split(inputs, d)[share]
+        my_targets = None if targets is None else microbatch.split(targets, d)[share]
+        weight = microbatch.sizes(total, d)[share] / total  # n_r / N, or with token normalisation C_r / C
+        if self.count_tokens is not None:  # every rank has the whole batch: the global count needs no message
+            weight = self.count_tokens(my_inputs, my_targets) / self.count_tokens(inputs, targets)
+        result = self._pipeline_step(my_inputs, my_targets)
         dp_group = self.hybrid.group("dp")
         all_reduce_gradients(self.parameters(), weight, dp_group)
         loss = torch.tensor([result.loss * weight], dtype=torch.float64, device=self.device)
@@ -294,12 +317,14 @@ class DistributedPipeline:
 
     def _pipeline_step(self, inputs: Any, targets: Any) -> StepResult:
         """One step of this rank's pipeline on `inputs` (its replica's share under data parallelism)."""
-        input_chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous)
+        input_chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous,
+                                                         self.count_tokens)
+        check_traced(self.partition, self.model, input_chunks)
         observer = MemoryObserver(self.schedule.device_of_stage(), self.parameters())
         for worker in self.workers.values():
             worker.start_step(input_chunks, target_chunks, weights, observer)
         self.p2p.observer = observer  # before start_step, which posts the first receives
-        self.p2p.start_step([_signature(chunk) for chunk in input_chunks])
+        self.p2p.start_step([microbatch.signature(chunk) for chunk in input_chunks])
         clock = ActionClock([self.device])
         self.exchange.post()  # gloo: the end-of-step exchange's receives, posted now
 
@@ -307,6 +332,7 @@ class DistributedPipeline:
         with gc_paused():  # a full collection (~25 ms with torch loaded) on one rank would stall the others
             run_actions(self.schedule, self.schedule.actions[self.rank], self.workers, self.transport, clock, observer)
             self.p2p.finish()
+            self.shared.all_reduce_gradients()  # a tied weight: the sum of its uses on every rank that has it
         observer.close()
         records = self.exchange.gather(StepRecord(self._record(clock), self._place_observed(observer, clock)))
         wall_seconds = time.perf_counter() - step_begin
@@ -372,13 +398,3 @@ class DistributedPipeline:
                       observed_peak_parts=observed_breakdown(observed, self.schedule.n_devices))
         return trace, losses
 
-
-def _signature(batch: Any) -> tuple:
-    """The shapes and dtypes of a micro-batch's tensors: what an activation's shape may depend on."""
-    if isinstance(batch, torch.Tensor):
-        return (tuple(batch.shape), str(batch.dtype))
-    if isinstance(batch, dict):
-        return tuple((k, _signature(v)) for k, v in batch.items())
-    if isinstance(batch, (list, tuple)):
-        return tuple(_signature(v) for v in batch)
-    return (type(batch).__name__,)

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from ..common.threads import check_threads, intra_op_threads
-from ..model.partition import Partition, split
+from ..model.partition import Partition
 from ..model import stage as stage_ops
 from ..model.batch_norm import warn_if_batch_norm
+from ..model.token_weights import token_counter
 from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules.action import Action, Kind
 from ..schedules.dependencies import run_dependencies
@@ -34,30 +35,40 @@ from .loop import InProcessTransport, run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .step import (
     StepResult,
+    build_partition,
     check_loss_fn,
+    check_shared_devices,
+    check_traced,
     check_microbatch_count,
     cut_batch,
     make_workers,
     resolve_schedule,
     step_loss,
+    unique_parameters,
 )
 
 
 class Pipeline:
-    """Pipeline-parallel training of an `nn.Sequential` model on local devices.
+    """Pipeline-parallel training of a model on local devices: an `nn.Sequential`, or any module with split_points.
 
     Everything after `model` is a keyword, in the same order as `pl.DistributedPipeline`'s.
 
     Args:
-        model: an `nn.Sequential` of blocks (see `pl.models`); its parameters receive the gradients.
+        model: an `nn.Sequential` of blocks (see `pl.models`), or any module with `split_points`; its parameters
+            receive the gradients.
         n_stages, n_microbatches: p and m.
         schedule: "gpipe", "1f1b", "zb-h1" or a `Schedule` for the same p and m (validated).  A stage
             with I and W actions splits each backward: I computes the input gradient only, W the weight
             gradients (`pipelab.model.split_backward`), and a micro-batch is held until its W.
-        loss_fn: loss(output, target) returning the *mean* over a micro-batch.
+        loss_fn: loss(output, target) returning the *mean* over a micro-batch; None for a model split by names
+            that computes its own loss (`output.loss`, with labels in the batch).
+        loss_normalization: "samples" (micro-batch i counts n_i / N) or "tokens" (c_i / C, its counted tokens:
+            labels other than -100; exact for a token-mean loss with padding; `model/token_weights.py`).
         devices: "auto", "cpu", "cuda", a device name, or a list with one device per stage.
         split_method: "uniform", "params", "time" (needs `sample`) or a ready `Partition`.
-        sample: an input batch, for split_method="time".
+        split_points: any `nn.Module` instead of an `nn.Sequential`: the names of the modules where stages
+            begin (`model/named_split.py`); `sample` is then a whole batch, as the model's keyword arguments.
+        sample: an input batch, for split_method="time" and for split_points.
         checkpoint: activation checkpointing per stage: "never", "always", "except_last"
             (the last stage runs B right after F in 1F1B, so recomputing there saves little)
             or a list of booleans, one per stage.
@@ -77,22 +88,24 @@ class Pipeline:
     """
 
     def __init__(self, model: nn.Module, *, n_stages: int, n_microbatches: int, schedule: str | Schedule = "1f1b",
-                 loss_fn: Callable | None = None, devices: Any = "auto", split_method: str | Partition = "uniform",
-                 sample: Any = None, checkpoint: str | list[bool] = "never", threads: int | None = 1,
-                 optimizer: Callable | None = None, fused_accumulation: bool = True, warm_up: bool = True):
-        check_loss_fn(loss_fn)
+                 loss_fn: Callable | None = None, loss_normalization: str = "samples", devices: Any = "auto",
+                 split_method: str | Partition = "uniform", split_points: list[str] | None = None, sample: Any = None,
+                 checkpoint: str | list[bool] = "never", threads: int | None = 1, optimizer: Callable | None = None,
+                 fused_accumulation: bool = True, warm_up: bool = True):
+        check_loss_fn(loss_fn, traced=split_points is not None or not isinstance(model, nn.Sequential))
         check_microbatch_count(n_microbatches)
+        self.count_tokens = token_counter(model, loss_fn, loss_normalization)  # None: weights by samples
         self.threads = check_threads(threads)
-        self.partition = (split_method if isinstance(split_method, Partition)
-                          else split(model, n_stages, split_method, sample, threads=threads))
-        if len(self.partition) != n_stages:
-            raise ValueError(f"the partition has {len(self.partition)} stages, not n_stages={n_stages}")
+        with intra_op_threads(threads):
+            self.partition = build_partition(model, n_stages, n_microbatches, split_method, split_points, sample,
+                                             threads)
         self.model, self.loss_fn = model, loss_fn
         self.n_stages, self.n_microbatches = n_stages, n_microbatches
         self.schedule = resolve_schedule(schedule, n_microbatches, n_stages=n_stages)
         self.checkpoint = checkpoint_plan(checkpoint, n_stages)
         where = self.schedule.device_of_stage()
         self.devices = assign_devices(devices, [where[s] for s in range(n_stages)])
+        check_shared_devices(self.partition, self.devices)
         for stage, device in zip(self.partition.stages, self.devices):
             stage.to(device)
         self.workers = make_workers(self.schedule, self.partition, list(range(n_stages)), loss_fn, self.checkpoint,
@@ -108,16 +121,18 @@ class Pipeline:
         )
 
     def parameters(self) -> list[nn.Parameter]:
-        """Every stage's parameters, in stage order (give them to the optimizer)."""
-        return [p for stage in self.partition.stages for p in stage.parameters()]
+        """Every stage's parameters, in stage order, each once (a tied embedding two stages use: one parameter,
+        its gradient the sum of both uses); give them to the optimizer."""
+        return unique_parameters(self.partition.stages)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> float:
         """Clip the gradients by their global norm over every stage: `torch.nn.utils.clip_grad_norm_` on the
         model's parameters (they all live in this process).  Returns the norm before clipping."""
         return float(torch.nn.utils.clip_grad_norm_(self.parameters(), max_norm, norm_type))
 
-    def step(self, inputs: Any, targets: Any) -> StepResult:
+    def step(self, inputs: Any, targets: Any = None) -> StepResult:
         """One training step: gradients of the mean loss over the batch are *added* to `.grad` (zero them first).
+        `targets` go to `loss_fn`; None when the model takes its labels in `inputs` and `loss_fn` is None.
 
         With an asynchronous schedule, one PipeDream run instead: micro-batch i is minibatch i, the stages'
         optimizers update the weights during it; `loss` is the mean of the minibatches' losses, each taken
@@ -127,7 +142,9 @@ class Pipeline:
             return self._step(inputs, targets)
 
     def _step(self, inputs: Any, targets: Any) -> StepResult:
-        input_chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous)
+        input_chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous,
+                                                         self.count_tokens)
+        check_traced(self.partition, self.model, input_chunks)
         if not self.warmed_up:
             self._warm_up(input_chunks[0], target_chunks[0])
         device_of_stage = self.schedule.device_of_stage()

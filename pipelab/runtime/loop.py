@@ -171,7 +171,9 @@ class StageWorker:
         """Where it failed (stage, blocks, action, rank) and the original message, plus a hint when the
         input `arrived` at a forward does not fit the stage's first block."""
         first, last = self.bounds
-        where = f"{action.describe()} failed on stage {self.index} (blocks {first}..{last - 1}"
+        span = (f"modules {self.module.first_module} .. {self.module.last_module}"  # a split by names
+                if hasattr(self.module, "first_module") else f"blocks {first}..{last - 1}")
+        where = f"{action.describe()} failed on stage {self.index} ({span}"
         where += f", rank {self.rank})" if self.rank is not None else ")"
         text = f"{where}: {type(error).__name__}: {error}"
         if action.kind is Kind.F:

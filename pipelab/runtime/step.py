@@ -7,6 +7,8 @@ those of the mean loss over the whole batch:
 
     mean over N samples = sum_i (n_i / N) * (mean over micro-batch i)
 
+or, with loss_normalization="tokens", c_i / C over counted tokens (`model/token_weights.py`).
+
 An asynchronous schedule (PipeDream) gives each micro-batch weight 1: its own minibatch.
 Each engine supplies devices, a transport and a clock (`runtime/local.py`,
 `runtime/distributed.py`).  Details: docs/engines.md, "What a step is".
@@ -20,7 +22,9 @@ from typing import Any, Callable
 from torch import nn
 
 from ..model import microbatch
-from ..model.partition import Partition
+from ..model.named_split import model_loss
+from ..model.partition import Partition, split
+from ..model.token_weights import token_weights
 from ..schedules import by_name, validate
 from ..schedules.action import Kind
 from ..schedules.schedule import Schedule
@@ -38,9 +42,15 @@ class StepResult:
     op_seconds: float  # sum of the measured durations of all actions
 
 
-def check_loss_fn(loss_fn) -> None:
-    if loss_fn is None or not callable(loss_fn):
-        raise TypeError("a pipeline needs loss_fn=<callable(output, target) -> mean loss of the micro-batch>")
+def check_loss_fn(loss_fn, traced: bool = False) -> None:
+    """`loss_fn` is a callable(output, target) with a mean reduction, or None for a `traced` model (split by
+    names) that computes its own loss (`model_loss`: output.loss)."""
+    if loss_fn is None and not traced:
+        raise TypeError("a pipeline needs loss_fn=<callable(output, target) -> mean loss of the micro-batch>; "
+                        "loss_fn=None (the model's own output.loss) is for a model split by names")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError("loss_fn is a callable(output, target) -> the mean loss of the micro-batch, or None when "
+                        f"the model computes its own loss (output.loss), got {type(loss_fn).__name__}")
     if getattr(loss_fn, "reduction", "mean") != "mean":
         raise ValueError(
             f"loss_fn has reduction={loss_fn.reduction!r}; pipelab weights each micro-batch's mean loss by its "
@@ -90,6 +100,9 @@ def make_workers(schedule: Schedule, partition: Partition, stages: list[int], lo
     if schedule.asynchronous and any(splits):
         raise ValueError("an asynchronous schedule with W actions: weight stashing runs whole backwards only")
 
+    if loss_fn is None:
+        loss_fn = _own_loss
+
     def stash(module: nn.Module) -> WeightStash | None:
         return WeightStash(module, optimizer, schedule.update_every) if schedule.asynchronous else None
 
@@ -99,21 +112,101 @@ def make_workers(schedule: Schedule, partition: Partition, stages: list[int], lo
             for s in stages}
 
 
+def _own_loss(output: Any, target: Any):
+    return model_loss(output)
+
+
+def build_partition(model: nn.Module, n_stages: int, n_microbatches: int, split_method: str | Partition,
+                    split_points: list[str] | None, sample: Any, threads: int | None) -> Partition:
+    """The stages: a given `Partition`, a split by names traced on the first micro-batch of `sample` (the
+    whole batch), or `split(model, n_stages, split_method)` of an `nn.Sequential`."""
+    if isinstance(split_method, Partition):
+        if split_points is not None:
+            raise ValueError("give either a Partition or split_points, not both")
+        partition = split_method
+    elif split_points is not None or not isinstance(model, nn.Sequential):
+        if sample is None:
+            raise ValueError("split_points traces the model's forward: pass sample=<a whole batch, as the model's "
+                             "keyword arguments>, e.g. {'input_ids': ..., 'labels': ...}; its first micro-batch is traced")
+        partition = split(model, n_stages, split_method, microbatch.split(sample, n_microbatches)[0],
+                          split_points=split_points)
+    else:
+        partition = split(model, n_stages, split_method, sample, threads=threads)
+    if len(partition) != n_stages:
+        raise ValueError(f"the partition has {len(partition)} stages, not n_stages={n_stages}")
+    return partition
+
+
+def unique_parameters(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """The parameters of `modules`, in order, each once (a parameter several stages use is one tensor)."""
+    seen: set[int] = set()
+    return [p for module in modules for p in module.parameters() if not (id(p) in seen or seen.add(id(p)))]
+
+
+def shared_parameters(stages: list[nn.Module], model: nn.Module) -> dict[str, list[int]]:
+    """{name in `model`: the stages that use it} for every parameter more than one stage uses (a tied
+    embedding: the input embedding on the first stage, the output projection on the last)."""
+    name_of = {id(p): name for name, p in model.named_parameters()}
+    users: dict[int, list[int]] = {}
+    for s, stage in enumerate(stages):
+        for p in stage.parameters():
+            users.setdefault(id(p), []).append(s)
+    return {name_of.get(key, "?"): sorted(set(found)) for key, found in users.items() if len(set(found)) > 1}
+
+
+def check_shared_devices(partition: Partition, devices: list) -> None:
+    """One process holds a shared parameter once: the stages that use it must be on one device."""
+    seen: dict[int, tuple[int, Any]] = {}
+    for s, stage in enumerate(partition.stages):
+        for name, p in stage.named_parameters():
+            first = seen.setdefault(id(p), (s, devices[s]))
+            if first[1] != devices[s]:
+                raise ValueError(f"stages {first[0]} and {s} share the parameter {name} (a tied weight) but run on "
+                                 f"{first[1]} and {devices[s]}: one process keeps it once, so put them on one device, "
+                                 "or run one rank per device with pl.DistributedPipeline, which keeps a synchronised "
+                                 "copy on each")
+
+
+def check_traced(partition: Partition, model: nn.Module, input_chunks: list) -> None:
+    """A split by names runs the graph traced for one micro-batch shape and one mode (train or eval): a step's
+    micro-batches must have that shape, and the model that mode."""
+    if partition.traced_for is None:
+        return
+    traced, training = partition.traced_for
+    for i, chunk in enumerate(input_chunks):
+        if microbatch.signature(chunk) != traced:
+            raise ValueError(f"micro-batch {i} is {microbatch.signature(chunk)}, but the stages were traced for "
+                             f"micro-batches {traced}: a split by names runs one shape; cut the batch into equal "
+                             "micro-batches of the sample's shape, or build the pipeline with a sample of this shape")
+    if model.training != training:
+        mode = "train" if training else "eval"
+        raise ValueError(f"the stages were traced in {mode} mode (dropout and BatchNorm are fixed in the graph), "
+                         f"but the model is now in {'train' if model.training else 'eval'} mode: build the "
+                         "pipeline again after model.train() / model.eval()")
+
+
 def batch_size(inputs: Any, targets: Any) -> int:
-    """The samples in one step's batch, the same in its inputs and its targets."""
+    """The samples in one step's batch, the same in its inputs and its targets (if any: None when the model
+    takes its labels among its inputs)."""
     total = microbatch.batch_size(inputs)
-    if microbatch.batch_size(targets) != total:
+    if targets is not None and microbatch.batch_size(targets) != total:
         raise ValueError(f"inputs hold {total} samples but targets hold {microbatch.batch_size(targets)}")
     return total
 
 
-def cut_batch(inputs: Any, targets: Any, n_microbatches: int, asynchronous: bool) -> tuple[list, list, list[float]]:
-    """(input chunks, target chunks, loss weights) of one step's batch (module docstring)."""
+def cut_batch(inputs: Any, targets: Any, n_microbatches: int, asynchronous: bool,
+              count_tokens: Callable | None = None) -> tuple[list, list, list[float]]:
+    """(input chunks, target chunks, loss weights) of one step's batch (module docstring); with `count_tokens`
+    (loss_normalization="tokens") the weights are c_i / C (`model/token_weights.py`)."""
     total = batch_size(inputs, targets)
+    input_chunks = microbatch.split(inputs, n_microbatches)
+    target_chunks = [None] * n_microbatches if targets is None else microbatch.split(targets, n_microbatches)
     weights = [size / total for size in microbatch.sizes(total, n_microbatches)]
+    if count_tokens is not None:
+        weights = token_weights([count_tokens(x, y) for x, y in zip(input_chunks, target_chunks)])
     if asynchronous:  # each micro-batch is one of PipeDream's minibatches: its own mean loss
         weights = [1.0] * n_microbatches
-    return microbatch.split(inputs, n_microbatches), microbatch.split(targets, n_microbatches), weights
+    return input_chunks, target_chunks, weights
 
 
 def step_loss(weights: list[float], losses: list[float], asynchronous: bool) -> float:

@@ -1,0 +1,77 @@
+"""Weigh each micro-batch's loss so that the pipelined loss is the model's own full-batch loss.
+
+A language model's loss is a mean over its *counted tokens* (labels other than -100: padding and
+prompt tokens are not counted), not over its samples.  Micro-batch i holds c_i counted tokens and
+its loss is the mean over them, L_i = S_i / c_i (S_i: the sum of its tokens' losses).  The
+full-batch loss is S / C with C = sum_i c_i, so micro-batch i must count c_i / C:
+
+    sum_i (c_i / C) * L_i = sum_i S_i / C = S / C                     (loss_normalization="tokens")
+
+Weighting by samples instead, n_i / N (the default, exact for a per-sample mean such as MSE or
+a classifier's cross-entropy), gives sum_i (n_i / N) * S_i / c_i, which differs from S / C as
+soon as the micro-batches hold different numbers of counted tokens: padding.  Megatron-LM
+divides by the global count of tokens (over micro-batches and data-parallel replicas) for this
+reason; Hugging Face's `num_items_in_batch` serves the same purpose in gradient accumulation.
+
+A causal language model shifts its labels (position t predicts token t + 1), so only
+labels[..., 1:] are counted there (Hugging Face's `ForCausalLMLoss`; its Trainer counts the same).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+NORMALIZATIONS = ("samples", "tokens")
+IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Hugging Face's losses leave out
+
+
+def token_weights(counts: list[int]) -> list[float]:
+    """Micro-batch i's loss weight c_i / C, from the counted tokens c_i of every micro-batch (module docstring)."""
+    total = sum(counts)
+    if total == 0:
+        raise ValueError("the batch has no counted token (every label is -100): its mean loss is 0/0")
+    empty = [i for i, c in enumerate(counts) if c == 0]
+    if empty:
+        raise ValueError(f"micro-batch {empty[0]} has no counted token (all its labels are -100): its mean loss is "
+                         "0/0, which would make every gradient NaN; use fewer micro-batches, or put the padded "
+                         "samples among the others")
+    return [c / total for c in counts]
+
+
+def shifts_labels(model: nn.Module) -> bool:
+    """Whether `model`'s own loss shifts its labels by one (a Hugging Face causal language model)."""
+    loss = getattr(type(model), "loss_function", None)
+    try:
+        loss = model.loss_function if loss is not None else None
+    except (AttributeError, KeyError, ValueError):
+        return False
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        return False
+    return getattr(loss, "__name__", "") == "ForCausalLMLoss"
+
+
+def token_counter(model: nn.Module, loss_fn: Callable | None, normalization: str) -> Callable | None:
+    """For loss_normalization="tokens": a function (inputs, targets) of one micro-batch -> its counted tokens,
+    reading the targets (or, without them, `inputs["labels"]`); None for "samples"."""
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"loss_normalization is one of {list(NORMALIZATIONS)}, got {normalization!r}")
+    if normalization == "samples":
+        return None
+    ignore = getattr(loss_fn, "ignore_index", IGNORE_INDEX)
+    shift = loss_fn is None and shifts_labels(model)
+
+    def count(inputs: Any, targets: Any) -> int:
+        labels = targets
+        if labels is None:
+            if not (isinstance(inputs, dict) and isinstance(inputs.get("labels"), torch.Tensor)):
+                raise ValueError('loss_normalization="tokens" counts the labels other than -100: pass targets, or '
+                                 "a batch dict with 'labels'")
+            labels = inputs["labels"]
+        if shift:
+            labels = labels[..., 1:]
+        return int((labels != ignore).sum())
+
+    return count
