@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .model import models
+from . import run_models
 from .runtime.distributed import DistributedPipeline
 from .runtime.local import Pipeline
 from .schedules import by_name
@@ -31,6 +31,7 @@ class RunSummary:
     n_stages: int
     n_microbatches: int
     bounds: list[tuple[int, int]]
+    stage_names: list[str]  # what each stage holds: "blocks 0..3", or "transformer.h.0 .. transformer.h.3"
     split_method: str
     devices: list[str]
     backend: str  # "local" or "distributed"
@@ -42,7 +43,14 @@ class RunSummary:
 
 def add_run_arguments(run: argparse.ArgumentParser) -> None:
     """The flags of `pipelab run`, shared with `python -m pipelab.launch`."""
-    run.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
+    run.add_argument("--model", default="mlp",
+                     help="mlp, gpt, transformers:<model type> (e.g. transformers:gpt2) or package.module:factory")
+    run.add_argument("--config", default=None,
+                     help="transformers: the config's key=value pairs, e.g. n_layer=8,n_embd=512,n_head=8")
+    run.add_argument("--split-points", default=None,
+                     help="a model split by names: the modules where stages 1, 2, ... begin, comma-separated "
+                          "(default: its repeated blocks cut evenly into --stages)")
+    run.add_argument("--seq-len", type=positive, default=64, help="transformers: tokens per sample")
     run.add_argument("--stages", type=positive, default=4, help="pipeline stages p")
     run.add_argument("--microbatches", type=positive, default=8, help="micro-batches per step m")
     run.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b")
@@ -67,13 +75,20 @@ def positive(text: str) -> int:
     return value
 
 
-def _model_and_batch(args):
-    if args.model == "mlp":
-        model = models.mlp(depth=args.depth, width=args.width, seed=args.seed)
-    else:
-        model = models.tiny_gpt(n_layers=args.depth, d_model=args.width, n_heads=4, seed=args.seed)
-    inputs, targets = models.sample_batch(model, args.batch_size, seed=args.seed)
-    return model, inputs, targets
+def _pipeline_options(args, made: run_models.RunModel) -> dict:
+    """The keywords both engines take from the flags and the model."""
+    points = [name.strip() for name in args.split_points.split(",")] if args.split_points else None
+    if points is not None and isinstance(made.model, torch.nn.Sequential):
+        raise ValueError("--split-points is for a model split by module names; pipelab's own models are cut "
+                         "by --split")
+    return dict(loss_fn=made.loss_fn, loss_normalization=made.loss_normalization, split_method=args.split,
+                split_points=points, sample=made.inputs)
+
+
+def _stage_names(partition) -> list[str]:
+    if partition.method == "names" or not isinstance(partition.stages[0], torch.nn.Sequential):
+        return [f"{stage.first_module} .. {stage.last_module}" for stage in partition.stages]
+    return [f"blocks {a}..{b - 1}" for a, b in partition.bounds]
 
 
 def _train(pipe, parameters, inputs, targets, args, show_progress: bool) -> tuple[list[float], list[float], Trace]:
@@ -93,26 +108,26 @@ def _train(pipe, parameters, inputs, targets, args, show_progress: bool) -> tupl
 
 
 def train_local(args) -> RunSummary:
-    model, inputs, targets = _model_and_batch(args)
-    pipe = Pipeline(model, n_stages=args.stages, n_microbatches=args.microbatches, schedule=args.schedule,
-                    loss_fn=models.default_loss(model),
-                       devices=args.device, split_method=args.split, sample=inputs)
-    losses, seconds, trace = _train(pipe, model.parameters(), inputs, targets, args, show_progress=True)
+    made = run_models.build(args)
+    pipe = Pipeline(made.model, n_stages=args.stages, n_microbatches=args.microbatches, schedule=args.schedule,
+                    devices=args.device, **_pipeline_options(args, made))
+    losses, seconds, trace = _train(pipe, pipe.parameters(), made.inputs, made.targets, args, show_progress=True)
     return RunSummary(pipe.schedule.name, pipe.n_stages, pipe.n_microbatches, pipe.partition.bounds,
-                      pipe.partition.method, [str(d) for d in pipe.devices], "local", 1, losses, seconds, trace)
+                      _stage_names(pipe.partition), pipe.partition.method, [str(d) for d in pipe.devices], "local", 1,
+                      losses, seconds, trace)
 
 
 def train_rank(args) -> RunSummary:
     """Train on this rank of the current process group (rank 0 shows the progress bar)."""
-    model, inputs, targets = _model_and_batch(args)
+    made = run_models.build(args)
     device = None if args.device == "auto" else args.device
-    pipe = DistributedPipeline(model, n_microbatches=args.microbatches, schedule=_schedule(args),
-                               loss_fn=models.default_loss(model),
-                                  devices=device, split_method=args.split, sample=inputs)
-    losses, seconds, trace = _train(pipe, pipe.parameters(), inputs, targets, args,
+    pipe = DistributedPipeline(made.model, n_microbatches=args.microbatches, schedule=_schedule(args),
+                               devices=device, **_pipeline_options(args, made))
+    losses, seconds, trace = _train(pipe, pipe.parameters(), made.inputs, made.targets, args,
                                     show_progress=dist.get_rank() == 0)
     return RunSummary(pipe.schedule.name, pipe.n_stages, pipe.n_microbatches, pipe.partition.bounds,
-                      pipe.partition.method, [str(pipe.device)], "distributed", pipe.world_size, losses, seconds, trace)
+                      _stage_names(pipe.partition), pipe.partition.method, [str(pipe.device)], "distributed",
+                      pipe.world_size, losses, seconds, trace)
 
 
 def _schedule(args):
@@ -137,7 +152,7 @@ def figures(summary: RunSummary) -> dict:
     return {
         "schedule": summary.schedule, "n_stages": summary.n_stages, "n_microbatches": summary.n_microbatches,
         "backend": summary.backend, "world_size": summary.world_size, "devices": summary.devices,
-        "bounds": summary.bounds, "split": summary.split_method,
+        "bounds": summary.bounds, "stages": summary.stage_names, "split": summary.split_method,
         "losses": summary.losses, "step_seconds": summary.step_seconds,
         "trace_source": trace.source, "trace_source_label": trace.source_label,
         "makespan_seconds": trace.makespan, "bubble_fraction": trace.bubble_fraction,
@@ -165,18 +180,17 @@ def report(summary: RunSummary) -> str:
              else f"{summary.world_size} processes (torch.distributed), devices {summary.devices}")
     lines = [
         "",
-        f"split {summary.bounds} ({summary.split_method}), {where}",
+        f"split ({summary.split_method}): {len(summary.stage_names)} stages, {where}",
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
         f"median step {statistics.median(summary.step_seconds) * 1e3:.1f} ms (wall clock, engine included)",
         f"last step: makespan {trace.makespan * 1e3:.1f} ms, bubble fraction {trace.bubble_fraction:.1%}  "
         f"[{trace.source_label}]",
         "",
-        f"{'stage':>5} {'blocks':>9} {'busy ms':>9} {'peak in-flight':>15} {'peak activations':>17}",
+        f"{'stage':>5} {'busy ms':>9} {'peak in-flight':>15} {'peak activations':>17}   holds",
     ]
     for s in range(summary.n_stages):
-        a, b = summary.bounds[s]
-        lines.append(f"{s:>5} {f'{a}..{b - 1}':>9} {busy[device_of[s]] * 1e3:>9.2f} {inflight[s]:>15} "
-                     f"{_bytes(peak[device_of[s]]):>17}")
+        lines.append(f"{s:>5} {busy[device_of[s]] * 1e3:>9.2f} {inflight[s]:>15} {_bytes(peak[device_of[s]]):>17}   "
+                     f"{summary.stage_names[s]}")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import pipelab as pl
 from pipelab import cli
@@ -19,7 +20,7 @@ def test_run_trains_and_reports(tmp_path, capsys):
     assert last < first  # five Adam steps on a fixed batch lower the loss
     table = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit() and ".." in line]
     assert [row[0] for row in table] == ["0", "1", "2", "3"]
-    assert [int(row[3]) for row in table] == [8, 8, 8, 8]  # GPipe keeps all m micro-batches
+    assert [int(row[2]) for row in table] == [8, 8, 8, 8]  # GPipe keeps all m micro-batches
     png = tmp_path / "timeline_gpipe_p4_m8.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     trace = json.loads((tmp_path / "trace_gpipe_p4_m8.json").read_text())
@@ -51,6 +52,50 @@ def test_run_exits_2_for_usage_errors_and_1_for_failures(monkeypatch, tmp_path, 
     monkeypatch.setattr(cli, "train_local", fails)
     assert main(["run", "--out", str(tmp_path)]) == code
     assert str(error) in capsys.readouterr().err
+
+
+def _first_loss(tmp_path, argv) -> dict:
+    assert main(["run", *argv, "--steps", "1", "--device", "cpu", "--out", str(tmp_path),
+                 "--json", str(tmp_path / "run.json")]) == 0
+    return json.loads((tmp_path / "run.json").read_text())
+
+
+@pytest.mark.parametrize("backend", ["local", "distributed"])
+def test_run_trains_a_hugging_face_model_from_its_config_split_by_names(tmp_path, backend):
+    transformers = pytest.importorskip("transformers")
+    config = dict(n_layer=3, n_embd=32, n_head=2, vocab_size=96, n_positions=32)
+    found = _first_loss(tmp_path, ["--model", "transformers:gpt2", "--config", ",".join(f"{k}={v}" for k, v in
+                                   config.items()), "--split-points", "transformer.h.1,transformer.h.2",
+                                   "--stages", "3", "--microbatches", "2", "--batch-size", "4", "--seq-len", "8",
+                                   "--backend", backend])
+    assert found["stages"][1:] == ["transformer.h.1 .. transformer.h.1.mlp.dropout", "transformer.h.2 .. lm_head"]
+    torch.manual_seed(0)  # the model and the tokens as the run makes them, built here by hand
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).eval()
+    ids = torch.randint(0, 96, (4, 8), generator=torch.Generator().manual_seed(0))
+    assert found["losses"][0] == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+
+
+def test_run_trains_the_model_a_factory_returns(tmp_path):
+    pytest.importorskip("transformers")
+    from your_model_cases import cli_factory
+
+    found = _first_loss(tmp_path, ["--model", "your_model_cases:cli_factory", "--stages", "2",
+                                   "--microbatches", "3"])
+    model, batch, _ = cli_factory()
+    assert found["split"] == "names" and found["stages"][1].startswith("model.layers.2 ")
+    assert found["losses"][0] == pytest.approx(model(**batch).loss.item(), rel=1e-5)  # tokens, padding and all
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "resnet"], "--model is one of"),
+    (["--model", "no_such_module:f"], "cannot find f in module no_such_module"),
+    (["--model", "mlp", "--config", "n_layer=2"], "--config is for a Hugging Face model"),
+    (["--model", "mlp", "--split-points", "0"], "--split-points is for a model split by module names"),
+    (["--model", "transformers:gpt2", "--config", "n_layer"], "key=value pairs"),
+])
+def test_run_names_a_bad_model_flag(tmp_path, capsys, argv, message):
+    assert main(["run", *argv, "--out", str(tmp_path)]) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_simulate_prints_grid_and_metrics(tmp_path, capsys):

@@ -213,3 +213,42 @@ def test_batch_size_must_split_into_the_traced_micro_batches():
     shorter = {k: v[:BATCH - 1] for k, v in batch.items()}
     with pytest.raises(ValueError, match="traced for"):
         pipe.step(shorter)
+
+
+class _ReadsItsParent(torch.nn.Module):
+    """A head that keeps a reference to the whole model (not registered) and reads block 0's weight."""
+
+    def __init__(self, parent):
+        super().__init__()
+        self.__dict__["parent"] = parent
+
+    def forward(self, x):
+        return x @ self.parent.blocks[0].weight
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.head = _ReadsItsParent(self)
+
+    def forward(self, x, y):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return torch.nn.functional.mse_loss(self.head(x), y)
+
+
+def test_a_module_that_reads_another_stages_parameter_shares_it_like_a_tied_weight():
+    """The trace finds every parameter a stage reads, wherever it is registered: block 0's weight, read by the head
+    through its parent, is used by stages 0 and 3 and gets both uses' gradients."""
+    model = _Net()
+    batch = {"x": torch.randn(6, 8), "y": torch.randn(6, 8)}
+    params = dict(model.named_parameters())
+    reference = dict(zip(params, torch.autograd.grad(model(**batch), list(params.values()))))
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=3, split_points=["blocks.1", "blocks.2", "blocks.3"],
+                       sample=batch, devices="cpu")
+    shared = model.blocks[0].weight
+    assert [s for s, stage in enumerate(pipe.partition.stages) if any(p is shared for p in stage.parameters())] == [0, 3]
+    pipe.step(batch)
+    assert_same_gradients(model, reference)

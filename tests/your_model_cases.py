@@ -105,3 +105,8 @@ def run_tied_training(kind: str, schedule: str, n_steps: int, path: str | None) 
         pipe.save_checkpoint(path, optimizer)
     return {"losses": losses, "grads": grads, "tied": counter.totals()["tied"],
             "params": {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}}
+
+
+def cli_factory():
+    """For `pipelab run --model your_model_cases:cli_factory`: an untied Llama, a padded batch, its own loss."""
+    return make_model("llama-untied"), make_batch("llama-untied", padded=True), None
