@@ -38,19 +38,20 @@ def assert_same_gradients(model, reference, **tolerance):
         torch.testing.assert_close(found[name], grad, **(tolerance or TOLERANCE), msg=name)
 
 
+@pytest.mark.parametrize("n_stages, schedule", [(3, "1f1b"), (2, "zb-h1")])
 @pytest.mark.parametrize("kind", list(SPLITS))
-def test_each_model_split_by_names_gives_the_single_device_gradients(kind):
+def test_each_model_split_by_names_gives_the_single_device_gradients(kind, n_stages, schedule):
     """Padded text with loss_normalization='tokens' (images: 'samples'): the whole batch's own loss, exactly."""
     model, batch = make_model(kind), make_batch(kind, padded=True)
     loss, reference = reference_gradients(model, batch)
-    pipe = pipeline(model, batch, normalization="samples" if SPLITS[kind][1] == "image" else "tokens")
+    pipe = pipeline(model, batch, n_stages, schedule, "samples" if SPLITS[kind][1] == "image" else "tokens")
     result = pipe.step(batch)
     assert result.loss == pytest.approx(loss, rel=1e-5)
     assert_same_gradients(model, reference)
-    assert len(pipe.partition) == 3 and [s.first_module for s in pipe.partition.stages][1:] == SPLITS[kind][0]
+    assert [s.first_module for s in pipe.partition.stages][1:] == SPLITS[kind][0][:n_stages - 1]
 
 
-@pytest.mark.parametrize("schedule, n_stages", [("gpipe", 2), ("zb-h1", 3), ("interleaved", 4)])
+@pytest.mark.parametrize("schedule, n_stages", [("gpipe", 2), ("gpipe", 3), ("zb-h1", 3), ("interleaved", 4)])
 def test_gpt2_under_every_schedule(schedule, n_stages):
     model, batch = make_model("gpt2"), make_batch("gpt2", padded=True)
     loss, reference = reference_gradients(model, batch)
@@ -251,4 +252,18 @@ def test_a_module_that_reads_another_stages_parameter_shares_it_like_a_tied_weig
     shared = model.blocks[0].weight
     assert [s for s, stage in enumerate(pipe.partition.stages) if any(p is shared for p in stage.parameters())] == [0, 3]
     pipe.step(batch)
+    assert_same_gradients(model, reference)
+
+
+def test_a_loss_fn_receives_the_model_output_and_the_targets():
+    """ViT without labels in the batch: loss_fn(ModelOutput, targets), the mean cross-entropy of its logits."""
+    model, batch = make_model("vit"), make_batch("vit")
+    labels = batch.pop("labels")
+    loss_fn = lambda output, target: torch.nn.functional.cross_entropy(output.logits, target)  # noqa: E731
+    params = dict(model.named_parameters())
+    loss = loss_fn(model(**batch), labels)
+    reference = dict(zip(params, torch.autograd.grad(loss, list(params.values()))))
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=3, split_points=["vit.layers.2"], sample=batch,
+                       loss_fn=loss_fn, devices="cpu")
+    assert pipe.step(batch, labels).loss == pytest.approx(loss.item(), rel=1e-5)
     assert_same_gradients(model, reference)
