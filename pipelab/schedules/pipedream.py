@@ -14,7 +14,7 @@ hold fewer; m >= 2 w + 1 is enough for stage s to reach p - s.
 from __future__ import annotations
 
 from ..common.checks import check_counts
-from .action import Action
+from .action import Action, Kind
 from .schedule import Schedule
 
 
@@ -36,9 +36,9 @@ def weight_versions(schedule: Schedule, update_every: int | None = None) -> dict
         backwards: dict[int, int] = {}  # stage -> B's run so far
         for action in row:
             stage = action.stage
-            if action.kind == "F":
+            if action.kind is Kind.F:
                 versions[action] = backwards.get(stage, 0) // every
-            elif action.kind == "B":
+            elif action.kind is Kind.B:
                 versions[action] = versions[Action("F", stage, action.microbatch)]
                 backwards[stage] = backwards.get(stage, 0) + 1
     return versions
@@ -56,9 +56,9 @@ def versions_in_flight(schedule: Schedule, update_every: int | None = None) -> l
         for action in row:
             stage, mb = action.stage, action.microbatch
             held = stashed.setdefault(stage, {})
-            if action.kind == "F":
+            if action.kind is Kind.F:
                 held[mb] = backwards.get(stage, 0) // every
-            elif action.kind == "B":
+            elif action.kind is Kind.B:
                 del held[mb]
                 backwards[stage] = backwards.get(stage, 0) + 1
             peak[stage] = max(peak[stage], len(set(held.values()) | {backwards.get(stage, 0) // every}))
