@@ -267,3 +267,10 @@ def test_a_loss_fn_receives_the_model_output_and_the_targets():
                        loss_fn=loss_fn, devices="cpu")
     assert pipe.step(batch, labels).loss == pytest.approx(loss.item(), rel=1e-5)
     assert_same_gradients(model, reference)
+
+
+def test_a_model_whose_tensors_were_freed_by_another_pipeline_says_so():
+    model, batch = make_model("gpt2"), make_batch("gpt2")
+    model.transformer.h[3].to("meta")  # what a DistributedPipeline does to the blocks other ranks keep
+    with pytest.raises(ValueError, match="meta device .*build a fresh model"):
+        pipeline(model, batch)

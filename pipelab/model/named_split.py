@@ -96,6 +96,11 @@ class _Literal:
 def split_by_names(model: nn.Module, split_points: list[str], sample: dict) -> list[TracedStage]:
     """The stages of `model` cut before each module named in `split_points` (module docstring).  `sample`: one
     micro-batch, as the keyword arguments of `model`."""
+    freed = next((name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == "meta"),
+                 None)
+    if freed is not None:
+        raise ValueError(f"the model has tensors on the meta device ({freed}, ...): a DistributedPipeline already "
+                         "split it and freed the other ranks' stages; build a fresh model for another pipeline")
     names = [name for name, _ in model.named_modules()]
     unknown = [name for name in split_points if name not in names]
     if unknown:
