@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import pipelab as pl
-from your_model_cases import (BATCH, SPLITS, gradients_of, make_batch, make_model, reference_gradients,
+from your_model_cases import (BATCH, SEQ, SPLITS, gradients_of, make_batch, make_model, reference_gradients,
                               run_tied_training)
 
 pytest.importorskip("transformers")
@@ -274,3 +274,18 @@ def test_a_model_whose_tensors_were_freed_by_another_pipeline_says_so():
     model.transformer.h[3].to("meta")  # what a DistributedPipeline does to the blocks other ranks keep
     with pytest.raises(ValueError, match="meta device .*build a fresh model"):
         pipeline(model, batch)
+
+
+def test_stage_costs_are_profiled_for_a_model_split_by_names():
+    """Costs.from_profile runs the traced stages as the engine does: seconds per stage, and the bytes of the
+    structure each stage sends (the hidden states and what later stages need of the batch)."""
+    model, batch = make_model("gpt2"), make_batch("gpt2")
+    micro = {k: v[:2] for k, v in batch.items()}
+    parts = pl.split(model, split_points=SPLITS["gpt2"][0], sample=micro)  # traced for one micro-batch
+    costs = pl.Costs.from_profile(model, parts, (micro, None), None, repeats=2)
+    assert len(costs.forward) == 3 and all(t > 0 for t in [*costs.forward, *costs.backward])
+    message = parts.stages[0](micro)
+    assert costs.activation_bytes[0] == sum(t.numel() * t.element_size() for t in message.values()
+                                            if isinstance(t, torch.Tensor))
+    assert costs.activation_bytes[0] >= 2 * SEQ * 32 * 4  # at least the hidden states: 2 samples x SEQ x 32 floats
+    assert all(p.grad is None for p in model.parameters())  # the profile leaves the model's .grad as it was

@@ -135,7 +135,8 @@ def split_by_names(model: nn.Module, split_points: list[str], sample: dict) -> l
     position = {node: k for k, node in enumerate(nodes)}
     pieces = split_module(graph_module, graph_module, lambda node: sum(position[node] >= b for b in bounds),
                           keep_original_order=True)
-    firsts = [names[1]] + list(split_points)
+    first_leaf = next(name for name, module in model.named_modules() if name and not any(module.children()))
+    firsts = [first_leaf] + list(split_points)
     lasts = [names[names.index(p) - 1] for p in split_points] + [names[-1]]
     stages = _stages(pieces, model, graph_module, firsts, lasts)
     placeholders = [node.name for node in pieces.graph.nodes if node.op == "placeholder"]

@@ -25,7 +25,9 @@ import torch
 
 from ..common.checks import check_repeats
 from ..common.threads import intra_op_threads
+from ..model import boundary
 from ..model import stage as stage_ops
+from ..model.named_split import model_loss
 from ..model.fused_accumulation import FusedAccumulation
 
 PerStage = float | Sequence[float]
@@ -68,13 +70,14 @@ class Costs:
         return self.latency + self.per_stage("activation_bytes", stage, n_stages) / self.bandwidth
 
     @classmethod
-    def from_profile(cls, model, parts, sample_batch: tuple[Any, Any], loss_fn: Callable,
+    def from_profile(cls, model, parts, sample_batch: tuple[Any, Any], loss_fn: Callable | None,
                      repeats: int = 5, latency: float = 0.0, bandwidth: float = math.inf,
                      threads: int | None = 1, fused_accumulation: bool = True) -> "Costs":
         """Measure forward/backward seconds, bytes sent and kept, per stage.
 
         `parts` is a `pl.split` result of `model`; `sample_batch` = (inputs, targets) of ONE
-        micro-batch.  Uses the engine's own stage forward/backward, so what is measured is
+        micro-batch (for a model split by names: (its keyword arguments, None) with `loss_fn` None, the
+        model's own loss; what a stage sends may be any structure, its tensors' bytes counted).  Uses the engine's own stage forward/backward, so what is measured is
         what the engine runs.  The model's `.grad` is restored afterwards.  The ops run on
         `threads` intra-op threads (default 1, like the engine's step; None: the caller's setting),
         with the weight gradients accumulated as the engines do by default (`fused_accumulation`,
@@ -113,16 +116,16 @@ class Costs:
                     output, kept_here = stage_ops.forward(run, inp)
                 forward[s].append(_now(devices[s]) - begin)
                 held.append(kept_here)
-                if isinstance(inp, torch.Tensor):
-                    received[s] = inp.untyped_storage().nbytes()
+                received[s] = (inp.untyped_storage().nbytes() if isinstance(inp, torch.Tensor)
+                               else boundary.nbytes(inp))
                 kept[s] = counters[s].bytes
                 if s < n - 1:
-                    activation = output.detach()
-                    sent[s] = activation.numel() * activation.element_size()
+                    activation = boundary.detached(output)
+                    sent[s] = boundary.nbytes(activation)
             gradient = None
             for s in range(n - 1, -1, -1):
                 begin = _now(devices[s])
-                gradient = stage_ops.backward(held[s], None if gradient is None else gradient.to(devices[s]))
+                gradient = stage_ops.backward(held[s], boundary.moved(gradient, devices[s], copy=False))
                 backward[s].append(_now(devices[s]) - begin)
         for p, g in zip(model.parameters(), saved_grads):
             p.grad = g
@@ -131,8 +134,9 @@ class Costs:
                    input_bytes=received)
 
 
-def _loss_of(loss_fn: Callable, output: torch.Tensor, target: Any) -> torch.Tensor:
-    return loss_fn(output, target)
+def _loss_of(loss_fn: Callable | None, output: Any, target: Any) -> torch.Tensor:
+    """`loss_fn(output, target)`, or the model's own loss (`output.loss`) when `loss_fn` is None."""
+    return model_loss(output) if loss_fn is None else loss_fn(output, target)
 
 
 def _as_the_engine_runs(compute: Callable) -> Callable:
@@ -151,4 +155,4 @@ def _now(device: torch.device) -> float:
 
 def _move(batch: Any, device: torch.device) -> Any:
     """A copy on `device`, owning its storage (so its bytes are counted as one micro-batch's)."""
-    return batch.to(device, copy=True) if isinstance(batch, torch.Tensor) else batch
+    return batch.to(device, copy=True) if isinstance(batch, torch.Tensor) else boundary.moved(batch, device, True)
