@@ -21,7 +21,7 @@ from .common.errors import PipelineError
 from .course.grade import main as grade_main
 from .predict.costs import Costs
 from .predict.simulate import simulate as run_simulation
-from .runtime.processes import DistributedError, launch
+from .runtime.processes import DistributedError, Interrupted, launch
 from .schedules import by_name
 from .training import add_run_arguments, finish, positive, train_local, train_rank, write_outputs
 
@@ -84,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
     except (PipelineError, DistributedError) as error:  # a failure while it ran
         print(f"pipelab run: {error}", file=sys.stderr)
         return 2 if getattr(error, "usage_error", False) else 1
+    except KeyboardInterrupt as interrupted:  # Ctrl-C (or SIGTERM to the launcher): every rank stopped; one line
+        print(f"pipelab run: {interrupted or 'interrupted'}", file=sys.stderr)
+        return 128 + (interrupted.signal if isinstance(interrupted, Interrupted) else 2)
     finish(summary, args)
     return 0
 

@@ -9,6 +9,6 @@ and `pipelab run --backend distributed --nproc N ...` run the same engine from a
 
 from .runtime.checkpoint import load_into_model as load_checkpoint
 from .runtime.distributed import DistributedPipeline
-from .runtime.processes import DistributedError, launch
+from .runtime.processes import DistributedError, Interrupted, launch
 
-__all__ = ["DistributedError", "DistributedPipeline", "launch", "load_checkpoint"]
+__all__ = ["DistributedError", "DistributedPipeline", "Interrupted", "launch", "load_checkpoint"]

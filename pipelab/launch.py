@@ -6,6 +6,8 @@ The flags are those of `pipelab run`.  torchrun sets RANK, WORLD_SIZE, LOCAL_RAN
 rendezvous; this joins the process group (NCCL when the ranks use GPUs, else gloo), trains,
 and rank 0 prints the report and writes the timeline, the Chrome trace and (with --json) the
 figures.  A rank that raises is recorded for torchrun (`@record`), which then stops the others.
+Each rank dies with torchrun's agent (its parent), even an agent killed with SIGKILL, and
+Ctrl-C ends a rank at once, without a traceback.
 
 Two machines (GLOO_SOCKET_IFNAME, twice), the timeout and the loopback connections:
 docs/distributed.md, "torchrun".
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -23,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from .runtime.p2p import use_two_connections
+from .runtime.processes import end_with_parent
 from .training import add_run_arguments, finish, train_rank
 
 
@@ -36,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("start this under torchrun (it sets RANK and WORLD_SIZE), e.g. "
                      "torchrun --nproc-per-node 2 -m pipelab.launch --stages 2; or use "
                      "pipelab run --backend distributed --nproc 2")
+    end_with_parent()  # the agent's death (even by SIGKILL) ends this rank
+    signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends it at once, even inside a wait; torchrun reports it
     use_cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -2,10 +2,16 @@
 
 One launch of 4 ranks does it all, since starting ranks costs seconds: ranks 0 and 1 form a
 2-stage pipeline (a subgroup), train, save and resume; then all 4 ranks read the same
-checkpoint into a 4-stage pipeline.
+checkpoint into a 4-stage pipeline.  tests/test_checkpoint_faults.py: one launch of 2 ranks
+(`save_faults`) for every way a save is refused or fails, ending with a rank killed mid-save.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import signal
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -101,3 +107,102 @@ def save_resume_and_reshard(path: str, model_only_path: str) -> dict:
     except checkpoint.CheckpointError as error:
         found["wrong model"] = str(error)
     return found
+
+
+# ---- tests/test_checkpoint_faults.py: saves that must be whole or refused ---------------------------------
+
+def snapshot(model, optimizer) -> dict:
+    """This rank's parameters and optimizer state, by parameter name."""
+    return {"parameters": {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"},
+            "optimizer": {n: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in optimizer.state[p].items()}
+                          for n, p in model.named_parameters() if p in optimizer.state}}
+
+
+def refusal(call) -> dict:
+    """What `call()` raised, caught the way a user would, with `except Exception` (DCP's own CheckpointException
+    is a BaseException: were it to escape, it would end the rank and the launch)."""
+    try:
+        call()
+    except Exception as error:
+        return {"type": type(error).__name__, "message": str(error), "checkpoint error": isinstance(
+            error, pl.CheckpointError), "cause": type(error.__cause__).__name__}
+    return {"type": None, "message": "", "checkpoint error": False, "cause": None}
+
+
+@contextlib.contextmanager
+def writes_on(rank: int, replacement):
+    """DCP's writer of one item replaced on `rank` (torch.distributed.checkpoint.filesystem._write_item)."""
+    from torch.distributed.checkpoint import filesystem
+
+    original = filesystem._write_item
+    if dist.get_rank() == rank:
+        filesystem._write_item = replacement
+    try:
+        yield
+    finally:
+        filesystem._write_item = original
+
+
+def denied(transforms, stream, *args, **kwargs):
+    raise PermissionError(13, "Permission denied", getattr(stream, "name", "?"))
+
+
+def dies_writing(transforms, stream, *args, **kwargs):
+    stream.write(b"half a tensor")
+    stream.flush()
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def as_nobody(call):
+    """`call()` as a user without write permission where the mode bits deny it (root ignores them)."""
+    if os.geteuid() != 0:
+        return call()
+    try:
+        os.seteuid(65534)  # ("nobody"; the saved uid stays 0, to come back)
+    except OSError as error:
+        return {"skipped": f"root cannot become another user here ({error})"}
+    try:
+        return call()
+    finally:
+        os.seteuid(0)
+
+
+def save_faults(root: str, read_only: str) -> None:
+    """On 2 ranks: every way a save is refused or fails, then a save that rank 1 dies in (so the launch fails:
+    what each rank saw is in root/seen-<rank>.pt, written before)."""
+    root, rank, data, seen = Path(root), dist.get_rank(), batches(), {}
+    model = make_model()
+    pipe = pl.DistributedPipeline(model, n_microbatches=MICROBATCHES, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    adam = torch.optim.Adam(pipe.parameters(), lr=LR)
+    train(pipe, adam, data[:2])
+    checkpoint.save(pipe, root / "adam", adam)
+    seen["adam"] = snapshot(model, adam)
+    seen["again"] = refusal(lambda: checkpoint.save(pipe, root / "adam", adam))  # without overwrite=True
+
+    train(pipe, adam, data[2:3])
+    checkpoint.save(pipe, root / "adam", adam, overwrite=True)
+    seen["overwritten"] = snapshot(model, adam)
+    seen["files after overwrite"] = sorted(p.name for p in root.iterdir())
+    dist.barrier()  # (both ranks looked before rank 0 adds a directory)
+
+    (root / "notes").mkdir(exist_ok=True)
+    (root / "notes" / "todo.txt").write_text("not a checkpoint")
+    seen["not a checkpoint"] = refusal(lambda: checkpoint.save(pipe, root / "notes", adam, overwrite=True))
+
+    sgd = torch.optim.SGD(pipe.parameters(), lr=LR, momentum=0.9)
+    train(pipe, sgd, data[3:4])
+    checkpoint.save(pipe, root / "sgd", sgd)
+    seen["sgd"] = snapshot(model, sgd)
+
+    with writes_on(1, denied):  # DCP fails on rank 1: every rank gets DCP's CheckpointException
+        seen["write denied"] = refusal(lambda: checkpoint.save(pipe, root / "denied", adam))
+    dist.barrier()  # (rank 0 removes what the failed save wrote while rank 1 may already be here)
+    seen["files after denied"] = sorted(p.name for p in root.iterdir())
+    seen["read-only"] = as_nobody(lambda: refusal(lambda: checkpoint.save(pipe, Path(read_only) / "ckpt", adam)))
+    seen["files in read-only"] = sorted(p.name for p in Path(read_only).iterdir())
+    torch.save(seen, root / f"seen-{rank}.pt")
+    dist.barrier()
+
+    train(pipe, adam, data[4:5])
+    with writes_on(1, dies_writing):  # rank 1 is killed halfway through its file
+        checkpoint.save(pipe, root / "adam", adam, overwrite=True)

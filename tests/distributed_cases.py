@@ -6,12 +6,32 @@ import os
 import signal
 import time
 
+import psutil
 import torch
 import torch.distributed as dist
 
 import pipelab as pl
 
 BATCH = 19  # prime: most m give uneven micro-batches
+
+
+def running_children() -> list[int]:
+    """Processes this test started that still run (multiprocessing's resource tracker aside)."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
+                found.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def no_children_left() -> list[int]:
+    deadline = time.monotonic() + 10
+    while running_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return running_children()
 
 
 def make_model(kind: str):
@@ -87,6 +107,43 @@ def one_rank_fails(failing_rank: int, how: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         raise RuntimeError(f"rank {failing_rank} gives up on purpose")
     pipe.step(x, y)
+
+
+def stops_itself(stopped_rank: int) -> None:
+    """Two 1F1B steps of a small MLP; in the second, `stopped_rank` stops itself with SIGSTOP as its stage's
+    last block begins the forward of micro-batch 2 (rank 1: at 1F2), and never resumes."""
+    model = pl.models.mlp(depth=4, width=8, seed=0)
+    pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    pipe.step(x, y)
+    if dist.get_rank() == stopped_rank:
+        calls = []
+
+        def stop_at_the_third(module, inputs):
+            calls.append(1)
+            if len(calls) == 3:
+                os.kill(os.getpid(), signal.SIGSTOP)
+
+        (model[-1] if stopped_rank == 1 else model[0]).register_forward_pre_hook(stop_at_the_third)
+    pipe.step(x, y)
+
+
+def returns_early(early_rank: int, steps: int) -> int:
+    """`steps` 1F1B steps of a small MLP, but `early_rank` returns before its last one; each rank's count."""
+    model = pl.models.mlp(depth=4, width=8, seed=0)
+    pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    for step in range(steps):
+        if dist.get_rank() == early_rank and step == steps - 1:
+            return step
+        pipe.step(x, y)
+    return steps
+
+
+def waits_forever(folder: str) -> None:
+    """Each rank leaves a file in `folder` ("rank0", "rank1"), then waits for a message no rank sends."""
+    open(os.path.join(folder, f"rank{dist.get_rank()}"), "w").close()
+    dist.recv(torch.zeros(1), src=1 - dist.get_rank())
 
 
 def both_receive_first() -> None:

@@ -94,7 +94,10 @@ def test_a_plain_model_and_its_adam_read_it_in_one_process(run, one_torch_thread
 
 def test_the_files_are_plain_dcp_one_per_rank_keyed_by_names_in_the_full_model(run, tmp_path):
     _, path, _ = run
-    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    # DCP's files, and pipelab's manifest of them (checkpoint_manifest.py); nothing left beside it
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", ".pipelab-manifest.json", "__0_0.distcp",
+                                                      "__1_0.distcp"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["step3", "step3-model-only"]
     dcp_to_torch_save(path, tmp_path / "whole.pt")  # torch's own converter reads it, without pipelab
     whole = torch.load(tmp_path / "whole.pt", weights_only=False)
     model = cases.make_model()

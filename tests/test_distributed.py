@@ -8,12 +8,11 @@ launch runs many cases, since starting the ranks costs seconds.
 import os
 import time
 
-import psutil
 import pytest
 import torch
 
 import pipelab as pl
-from distributed_cases import BATCH, make_model, unusual_schedules
+from distributed_cases import BATCH, make_model, no_children_left, unusual_schedules
 
 import distributed_cases as cases
 from pipelab.schedules.routes import Routes
@@ -28,25 +27,6 @@ def reference(kind):
     loss = pl.models.default_loss(model)(model(x), y)
     loss.backward()
     return loss.detach(), {n: p.grad for n, p in model.named_parameters()}
-
-
-def running_children() -> list[int]:
-    """Processes this test started that still run (multiprocessing's resource tracker aside)."""
-    found = []
-    for child in psutil.Process().children(recursive=True):
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
-                found.append(child.pid)
-        except psutil.NoSuchProcess:
-            pass
-    return found
-
-
-def no_children_left() -> list[int]:
-    deadline = time.monotonic() + 10
-    while running_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return running_children()
 
 
 @pytest.mark.parametrize("n_stages", [2, 3, 4])

@@ -128,3 +128,16 @@ def test_several_inputs_and_outputs_give_the_plain_gradients():
     assert torch.equal(found[0], want[0]) and torch.equal(found[1], want[1])
     for p, w in zip(stage.parameters(), want[2:]):
         assert torch.allclose(p.grad, w, rtol=1e-6, atol=1e-7)
+
+
+def test_one_output_and_one_input_give_one_gradient_tensor():
+    """The plain form lesson 11 calls: backward_input(output, grad, input, weights) -> (a tensor, work)."""
+    stage = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 4))
+    h = torch.randn(3, 4, requires_grad=True)
+    grad_out = torch.randn(3, 4)
+    weights = list(stage.parameters())
+    plain = torch.autograd.grad(stage(h), [h, *weights], grad_out)
+    grad_input, work = pl.split_backward.backward_input(stage(h), grad_out, h, weights)
+    assert isinstance(grad_input, torch.Tensor) and torch.equal(grad_input, plain[0])
+    pl.split_backward.backward_weight(work)
+    assert all(torch.equal(w.grad, g) for w, g in zip(weights, plain[1:]))

@@ -6,7 +6,7 @@ Linear, the matrix multiply whose other input is the weight).  W later starts fr
 nodes with those gradients and runs only the branches that lead to the weights, so every
 gradient is computed once.  The idea is PyTorch's (`torch/distributed/pipelining/_backward.py`);
 this is written anew.  A stage whose input needs no gradient has no input path: its I
-computes nothing and its W the whole backward.
+computes nothing and its W the whole backward (nothing either, without weights that require grad).
 
 Details (the boundary nodes, the output given as its `GradientEdge`): docs/engines.md,
 "The split backward".
@@ -59,13 +59,17 @@ def _visit(root: Node, seen: set, order: list) -> None:
             order.append(node)
 
 
-def backward_input(outputs: list, grad_outputs: list, inputs: list[torch.Tensor], parameters: list[torch.Tensor]):
+def backward_input(outputs, grad_outputs, inputs, parameters: list[torch.Tensor]):
     """I: return d loss / d each of `inputs` (those that require grad; None where a gradient does not reach)
     and the `WeightWork` W needs.
 
     `outputs` are the stage's output tensors (or their GradientEdges) the backward starts from, with
     `grad_outputs` (None for a scalar output).  Without an input that requires grad, I computes nothing.
+    One tensor each (output, its gradient, input) gives the input's gradient as one tensor; lists give a list.
     """
+    if isinstance(inputs, torch.Tensor):  # one output, one input: the plain form lessons use
+        found, work = backward_input([outputs], [grad_outputs], [inputs], parameters)
+        return (found[0] if found else None), work
     edges = []
     for output in outputs:
         if isinstance(output, torch.Tensor):
@@ -122,8 +126,9 @@ def backward_weight(work: WeightWork) -> None:
     if work.whole is not None:
         edges, grads = work.whole
         work.whole = None
-        found = torch.autograd.grad(edges, work.parameters, grads, allow_unused=True)
-        _accumulate(work.parameters, found)
+        if edges and work.parameters:  # else nothing to differentiate: a stage without weights, its input constant
+            found = torch.autograd.grad(edges, work.parameters, grads, allow_unused=True)
+            _accumulate(work.parameters, found)
         return
     for members, recorded, weights in work.groups:
         roots, grads = [], []

@@ -24,7 +24,7 @@ from torch.autograd.graph import get_gradient_edge
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from . import boundary, split_backward
+from . import boundary, finite, split_backward
 
 
 class SavedTensors:
@@ -86,18 +86,24 @@ def stage_function(module: Callable, fusion: Any = None, loss: Callable[[torch.T
                    copy_input: bool = False) -> Callable[[Any], tuple]:
     """What a stage computes: `run(inp)` -> (the blocks' output, and on the last stage `loss(output)`, the
     micro-batch's mean loss, else None).  `fusion` (a `FusedAccumulation`) is entered around the blocks;
-    `copy_input` for a stage that starts in place (`starts_in_place`)."""
+    `copy_input` for a stage that starts in place (`starts_in_place`).  In a step checked for NaN and inf,
+    the output and the loss are checked (`finite.py`)."""
 
     def run(inp: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if copy_input:
             inp = copy_of(inp)
         with fusion if fusion is not None else contextlib.nullcontext():
             output = module(inp)
+        checked = finite.checking()
+        if checked:
+            finite.check_output(output, inp)
         if loss is None:
             return output, None
         value = loss(output)
         if not isinstance(value, torch.Tensor) or value.dim() != 0:
             raise TypeError("loss_fn must return a scalar tensor (the mean loss of the micro-batch)")
+        if checked:
+            finite.check_loss(value)
         return output, value
 
     return run

@@ -16,6 +16,7 @@ Details (why qkv is reordered, the pairs inside a stage): docs/hybrid.md, "Tenso
 
 from __future__ import annotations
 
+from fnmatch import fnmatch
 from typing import Any, Callable
 
 import torch
@@ -82,6 +83,56 @@ def head_grouped_rows(d_model: int, tp: int) -> torch.Tensor:
     return torch.cat([c * d_model + torch.arange(r * width, (r + 1) * width) for r in range(tp) for c in range(3)])
 
 
+def _planned(block: nn.Module, plan: Any) -> list[tuple[str, nn.Module, Any]]:
+    """(name in the block, module, style) for every module the plan gives a style: the block itself for a
+    bare style, else each key's modules, its dotted path matched part by part as `parallelize_module` does."""
+    if not isinstance(plan, dict):
+        return [("", block, plan)]
+    found = []
+    for key, style in plan.items():
+        modules = [("", block)]
+        for token in str(key).split("."):
+            modules = [(f"{path}.{name}" if path else name, child) for path, module in modules
+                       for name, child in module.named_children() if fnmatch(name, token)]
+        found += [(path, module, style) for path, module in modules]
+    return found
+
+
+def check(block: nn.Module, plan: Any, tp: int, where: str) -> None:
+    """Raise a ValueError, before DTensor sees the block, when `tensor_parallel=tp` does not divide a width its
+    plan splits: a column-parallel Linear's output features (an Embedding's dimensions), a row-parallel
+    Linear's input features (an Embedding's rows), a `TransformerBlock`'s heads."""
+    if plan is None or tp == 1:
+        return
+    colwise, rowwise = _styles()
+    if isinstance(block, TransformerBlock) and isinstance(plan, dict) and "qkv" in plan and block.n_heads % tp:
+        raise ValueError(f"{where}: tensor_parallel={tp} must divide the block's {block.n_heads} attention "
+                         "heads (each rank takes whole heads)")
+    for name, module, style in _planned(block, plan):
+        split = _split_width(module, style, colwise, rowwise)
+        if split is not None and split[1] % tp:
+            what, width = split
+            label = f"{type(module).__name__} {name}" if name else type(module).__name__
+            raise ValueError(f"{where}: tensor_parallel={tp} must divide the {width} {what} of its {label}, which "
+                             f"{type(style).__name__} splits across the tensor-parallel ranks; make them a multiple "
+                             f"of {tp}, or leave the block replicated (its plan None)")
+
+
+def _split_width(module: nn.Module, style: Any, colwise, rowwise) -> tuple[str, int] | None:
+    """(what, how many) the style splits across the tensor-parallel ranks, or None (nothing it splits)."""
+    if isinstance(module, nn.Linear):
+        if isinstance(style, colwise):
+            return "output features", module.out_features
+        if isinstance(style, rowwise):
+            return "input features", module.in_features
+    if isinstance(module, nn.Embedding):
+        if isinstance(style, colwise):
+            return "embedding dimensions", module.embedding_dim
+        if isinstance(style, rowwise):
+            return "embedding rows", module.num_embeddings
+    return None
+
+
 def apply(block: nn.Module, plan: Any, tp_mesh, where: str) -> dict[str, torch.Tensor]:
     """Parallelize `block` in place on `tp_mesh`; return {parameter name in the block: row order} for
     the parameters whose rows were reordered (so that full gradients can be put back in order)."""
@@ -90,12 +141,10 @@ def apply(block: nn.Module, plan: Any, tp_mesh, where: str) -> dict[str, torch.T
     from torch.distributed.tensor.parallel import parallelize_module
 
     tp = tp_mesh.size()
+    check(block, plan, tp, where)
     orders: dict[str, torch.Tensor] = {}
     if isinstance(block, TransformerBlock) and isinstance(plan, dict) and "qkv" in plan:
         d_model = block.proj.in_features
-        if block.n_heads % tp:
-            raise ValueError(f"{where}: tensor_parallel={tp} must divide the block's {block.n_heads} attention "
-                                "heads (each rank takes whole heads)")
         order = head_grouped_rows(d_model, tp)
         with torch.no_grad():
             block.qkv.weight.copy_(block.qkv.weight[order])

@@ -27,8 +27,9 @@ from torch import nn
 from ..common.errors import PipelineError
 from ..common.gc_pause import gc_paused
 from ..common.threads import check_threads, intra_op_threads
-from ..model import microbatch
+from ..model import loss_check, microbatch
 from ..model.batch_norm import warn_if_batch_norm
+from ..model.finite import FiniteChecks
 from ..model.token_weights import token_counter
 from ..model.partition import Partition, balanced_bounds, split
 from ..predict.layout import Layout
@@ -36,7 +37,7 @@ from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules.action import GRADIENT_KINDS, Action, Kind
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Event, Message, Trace, Wait
-from . import checkpoint, clipping, comm_count
+from . import checkpoint, clipping, comm_count, fingerprint
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .exchange import COLUMNS, StepExchange, StepRecord
@@ -44,6 +45,7 @@ from .hybrid import (
     HybridMesh,
     ScatterGatherTransport,
     all_reduce_gradients,
+    check_plans,
     full_gradients,
     local_shard,
     parallelize,
@@ -72,8 +74,11 @@ class DistributedPipeline:
     """Pipeline-parallel training with one rank per device, inside an initialised process group.
 
     Create it on every rank with the same arguments (under `torchrun`, or in a function
-    given to `pl.distributed.launch`).  Rank d runs device d of the schedule: for
-    "gpipe" and "1f1b" that is stage d, so n_stages = the group's size.
+    given to `pl.distributed.launch`): the ranks compare p, m, the schedule, the layout, the
+    model's structure and the loss normalization at start-up, and a difference is a ValueError
+    on every rank naming the ranks and the field (`runtime/fingerprint.py`).  Rank d runs
+    device d of the schedule: for "gpipe" and "1f1b" that is stage d, so n_stages = the
+    group's size.
 
     Everything after `model` is a keyword, in the same order as `pl.Pipeline`'s.
 
@@ -107,6 +112,9 @@ class DistributedPipeline:
             `pl.Pipeline`: `optimizer(params)` builds each of this rank's stages its own optimizer.
         fused_accumulation: Linear weight gradients added into `.grad` inside the multiply, as in
             `pl.Pipeline` (default True).
+        check_finite: NaN and inf in a stage's output or the loss raise, naming the stage, action,
+            micro-batch and rank where they first appear, as in `pl.Pipeline`: "first" (the first step, the
+            default), True (every step) or False.
         group: the process group of the pipeline (default: the whole world).
 
     A hybrid layout on a ("dp", "pp", "tp") DeviceMesh (`runtime/hybrid.py`), with any of:
@@ -121,7 +129,7 @@ class DistributedPipeline:
                  loss_fn: Callable | None = None, loss_normalization: str = "samples", devices: Any = None,
                  split_method: str | Partition = "uniform", split_points: list[str] | None = None, sample: Any = None,
                  checkpoint: str | list[bool] = "never", threads: int | None = 1, optimizer: Callable | None = None,
-                 fused_accumulation: bool = True, group=None,
+                 fused_accumulation: bool = True, check_finite: bool | str = "first", group=None,
                  tensor_parallel: int = 1, data_parallel: int = 1, tensor_parallel_plan: Callable | None = None,
                  layout: Layout | None = None, device: Any = None):
         if device is not None:
@@ -135,7 +143,9 @@ class DistributedPipeline:
         check_loss_fn(loss_fn, traced=split_points is not None or not isinstance(model, nn.Sequential))
         check_microbatch_count(n_microbatches)
         self.count_tokens = token_counter(model, loss_fn, loss_normalization)  # None: weights by samples
+        self.finite_checks = FiniteChecks(check_finite)
         self.hybrid = None  # the ("dp", "pp", "tp") mesh of a hybrid layout (`runtime/hybrid.py`)
+        hybrid_layout = None
         if layout is not None or tensor_parallel_plan is not None or (data_parallel, tensor_parallel) != (1, 1):
             if group is not None:
                 raise ValueError("a hybrid layout spans the whole world (its mesh); group= is for a plain pipeline")
@@ -145,23 +155,28 @@ class DistributedPipeline:
             if split_method == "time":
                 raise ValueError('split_method="time" is not supported with a hybrid layout (each pipeline would '
                                     'time its own blocks and could cut elsewhere); use "uniform", "params" or a Partition')
-            self.hybrid = HybridMesh.build(resolve_layout(dist.get_world_size(), layout, data_parallel, tensor_parallel),
-                                           dist.get_backend())
-            group = self.hybrid.group("pp")
-        self.group = group if group is not None else dist.group.WORLD
-        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+            hybrid_layout = resolve_layout(dist.get_world_size(), layout, data_parallel, tensor_parallel)
         # where this rank sits: a plain pipeline is the layout (dp, pp, tp) = (1, world, 1), without a mesh
-        self.layout = Layout(pp=self.world_size) if self.hybrid is None else self.hybrid.layout
-        self.mesh = None if self.hybrid is None else self.hybrid.mesh
-        self.dp_index, self.pp_index, self.tp_index = ((0, self.rank, 0) if self.hybrid is None else
-                                                       (self.hybrid.dp_index, self.hybrid.pp_index, self.hybrid.tp_index))
-        self.backend = dist.get_backend(self.group)
+        agreeing = group if group is not None else dist.group.WORLD  # the ranks that compare their configuration
+        self.layout = Layout(pp=dist.get_world_size(agreeing)) if hybrid_layout is None else hybrid_layout
+        self.backend = dist.get_backend(agreeing)
         self.model, self.loss_fn, self.n_microbatches = model, loss_fn, n_microbatches
-        self.schedule = resolve_schedule(schedule, n_microbatches, n_devices=self.world_size)
+        self.schedule = resolve_schedule(schedule, n_microbatches, n_devices=self.layout.pp)
         self.n_stages = self.schedule.n_stages
         self.checkpoint = checkpoint_plan(checkpoint, self.n_stages)
         self.device = self._resolve_device(devices)
         self.threads = check_threads(threads) if self.device.type == "cpu" else None
+        with self._context():  # the first communication: the ranks agree on the configuration (`fingerprint.py`)
+            fingerprint.agree(fingerprint.fields(self.schedule, n_microbatches, self.layout, model, loss_normalization),
+                              agreeing, self.device)
+        if hybrid_layout is not None:
+            self.hybrid = HybridMesh.build(hybrid_layout, dist.get_backend())
+            group = self.hybrid.group("pp")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.mesh = None if self.hybrid is None else self.hybrid.mesh
+        self.dp_index, self.pp_index, self.tp_index = ((0, self.rank, 0) if self.hybrid is None else
+                                                       (self.hybrid.dp_index, self.hybrid.pp_index, self.hybrid.tp_index))
         with self._context():
             self._build(model, loss_fn, split_method, split_points, sample, optimizer, fused_accumulation,
                         tensor_parallel_plan)
@@ -182,6 +197,8 @@ class DistributedPipeline:
                                              sample, self.threads)
         if len(self.partition) != self.n_stages:
             raise ValueError(f"the partition has {len(self.partition)} stages, the schedule {self.n_stages}")
+        if self.layout.tp > 1:  # every stage's plans, on every rank: a width tp does not divide fails on all alike
+            check_plans(self.partition, tensor_parallel_plan, self.layout.tp)
 
         device_of_stage = self.schedule.device_of_stage()
         self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
@@ -267,13 +284,15 @@ class DistributedPipeline:
         ranks = {kind: frozenset(dist.get_process_group_ranks(group)) for kind, group in groups}
         return comm_count.CommunicationCounter({members: kind for kind, members in ranks.items()})
 
-    def save_checkpoint(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    def save_checkpoint(self, path, optimizer: torch.optim.Optimizer | None = None, overwrite: bool = False) -> None:
         """Save this rank's stage (and `optimizer`'s state) with torch.distributed.checkpoint; call on every rank.
 
-        Any layout reads it back: `load_checkpoint` on a pipeline of another depth, or
-        `pl.distributed.load_checkpoint(model, path, optimizer)` into one plain model.
+        The checkpoint appears at `path` whole, once every rank's share is written, or not at all; an existing
+        one is replaced only with `overwrite=True` (`runtime/checkpoint.py`).  Any layout reads it back:
+        `load_checkpoint` on a pipeline of another depth, or `pl.distributed.load_checkpoint(model, path,
+        optimizer)` into one plain model.
         """
-        checkpoint.save(self, path, optimizer)
+        checkpoint.save(self, path, optimizer, overwrite=overwrite)
 
     def load_checkpoint(self, path, optimizer: torch.optim.Optimizer | None = None) -> None:
         """Load this rank's parameters (and `optimizer`'s state for them) from `path`; call on every rank."""
@@ -329,7 +348,8 @@ class DistributedPipeline:
         self.exchange.post()  # gloo: the end-of-step exchange's receives, posted now
 
         step_begin = time.perf_counter()
-        with gc_paused():  # a full collection (~25 ms with torch loaded) on one rank would stall the others
+        # gc: a full collection (~25 ms with torch loaded) on one rank would stall the others
+        with gc_paused(), self.finite_checks.step(), loss_check.usage_errors():
             run_actions(self.schedule, self.schedule.actions[self.rank], self.workers, self.transport, clock, observer)
             self.p2p.finish()
             self.shared.all_reduce_gradients()  # a tied weight: the sum of its uses on every rank that has it

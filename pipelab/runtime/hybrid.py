@@ -101,6 +101,16 @@ class HybridMesh:
         return self.mesh[dimension].get_group()
 
 
+def check_plans(partition: Partition, plan_fn: Callable | None, tp: int) -> None:
+    """Every stage's plans checked against `tensor_parallel=tp` (`tp_plans.check`), on every rank alike: a width
+    that tp does not divide is a ValueError on all of them, before any block is parallelized."""
+    for s, blocks in enumerate(partition.stages):
+        first, _ = partition.bounds[s]
+        blocks = list(blocks)
+        for k, (block, plan) in enumerate(zip(blocks, tp_plans.plans_for_stage(blocks, plan_fn))):
+            tp_plans.check(block, plan, tp, f"block {first + k} (stage {s})")
+
+
 def parallelize(stages: list[int], partition: Partition, plan_fn: Callable | None, tp_mesh) -> dict[str, torch.Tensor]:
     """Split every block of this rank's stages over "tp" with its plan (`model/tp_plans.py`); returns
     {parameter name in the model: the row order tp_plans gave it}."""

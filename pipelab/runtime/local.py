@@ -22,7 +22,9 @@ from torch import nn
 from ..common.threads import check_threads, intra_op_threads
 from ..model.partition import Partition
 from ..model import stage as stage_ops
+from ..model import loss_check
 from ..model.batch_norm import warn_if_batch_norm
+from ..model.finite import FiniteChecks
 from ..model.token_weights import token_counter
 from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules.action import Action, Kind
@@ -85,16 +87,21 @@ class Pipeline:
         warm_up: before the first step, run one micro-batch forward and backward through every
             stage, untimed, its gradients discarded: PyTorch initialises kernels lazily, and the
             first backward of some ops costs hundreds of milliseconds (default True).
+        check_finite: NaN and inf in a stage's output or in the loss raise a `PipelineError` naming the
+            stage, action and micro-batch where they first appear (`model/finite.py`): "first" checks the
+            first step (the default), True every step, False none.  One `isfinite().all()` per stage
+            output of a checked step.
     """
 
     def __init__(self, model: nn.Module, *, n_stages: int, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, loss_normalization: str = "samples", devices: Any = "auto",
                  split_method: str | Partition = "uniform", split_points: list[str] | None = None, sample: Any = None,
                  checkpoint: str | list[bool] = "never", threads: int | None = 1, optimizer: Callable | None = None,
-                 fused_accumulation: bool = True, warm_up: bool = True):
+                 fused_accumulation: bool = True, warm_up: bool = True, check_finite: bool | str = "first"):
         check_loss_fn(loss_fn, traced=split_points is not None or not isinstance(model, nn.Sequential))
         check_microbatch_count(n_microbatches)
         self.count_tokens = token_counter(model, loss_fn, loss_normalization)  # None: weights by samples
+        self.finite_checks = FiniteChecks(check_finite)
         self.threads = check_threads(threads)
         with intra_op_threads(threads):
             self.partition = build_partition(model, n_stages, n_microbatches, split_method, split_points, sample,
@@ -138,7 +145,7 @@ class Pipeline:
         optimizers update the weights during it; `loss` is the mean of the minibatches' losses, each taken
         before its own update (`microbatch_losses`)."""
         warn_if_batch_norm(self.model, self.n_microbatches)
-        with intra_op_threads(self.threads):
+        with intra_op_threads(self.threads), self.finite_checks.step(), loss_check.usage_errors():
             return self._step(inputs, targets)
 
     def _step(self, inputs: Any, targets: Any) -> StepResult:

@@ -30,6 +30,7 @@ from ..model.fused_accumulation import FusedAccumulation
 from ..schedules.action import Action, Kind
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
+from . import progress
 from .memory_observer import MemoryObserver
 from .weight_stash import WeightStash
 
@@ -265,10 +266,16 @@ class Transport(Protocol):
 def run_actions(schedule: Schedule, actions: Iterable[Action], workers: dict[int, StageWorker], transport: Transport,
                 clock, observer: MemoryObserver | None = None) -> None:
     """Run `actions` (of `schedule`) in order: receive, compute (timed by `clock`; its host window noted by
-    `observer`), send.  A stage's failure ends with its device's list, the failing action marked."""
+    `observer`), send.  A stage's failure ends with its device's list, the failing action marked.
+    In a rank of `pl.distributed.launch`, each action is reported to the launcher (`runtime/progress.py`)."""
+    report = progress.reporter()
     for action in actions:
         worker = workers[action.stage]
+        if report is not None:
+            report.waiting(schedule, action)
         message = transport.receive(action)
+        if report is not None:
+            report.computing(action)
         clock.begin(action, worker.device)
         if observer is not None:  # its window inside the clock's: on a CPU no change falls outside the action
             observer.begin(action)
@@ -284,6 +291,8 @@ def run_actions(schedule: Schedule, actions: Iterable[Action], workers: dict[int
         clock.end(action, worker.device)
         transport.send(action, out)
         out = None
+    if report is not None:
+        report.step_done()
 
 
 def marked_list(schedule: Schedule, action: Action, around: int = 6) -> str:

@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from torch import nn
 
-from ..model import microbatch
+from ..model import loss_check, microbatch
 from ..model.named_split import model_loss
 from ..model.partition import Partition, split
 from ..model.token_weights import token_weights
@@ -88,8 +88,9 @@ def make_workers(schedule: Schedule, partition: Partition, stages: list[int], lo
                  checkpoint: list[bool], device_of: Callable[[int], Any], rank: int | None = None,
                  optimizer: Callable | None = None, fused_accumulation: bool = True) -> dict[int, StageWorker]:
     """One `StageWorker` for each of `stages`, its backward policy read from the schedule: split where the
-    stage runs I and W, a `WeightStash` on every stage of an asynchronous schedule (`optimizer` builds
-    each stage's own optimizer, and is needed exactly then)."""
+    stage runs I and W, a `WeightStash` on every stage with parameters of an asynchronous schedule
+    (`optimizer` builds each stage's own optimizer, and is needed exactly then).  The loss's output and
+    target shapes are checked where it is taken (`model/loss_check.py`)."""
     if not schedule.asynchronous and optimizer is not None:
         raise ValueError("optimizer= is for asynchronous schedules (pipedream-async), whose stages update "
                             "during the step; with this schedule, step your optimizer after pipe.step()")
@@ -100,11 +101,13 @@ def make_workers(schedule: Schedule, partition: Partition, stages: list[int], lo
     if schedule.asynchronous and any(splits):
         raise ValueError("an asynchronous schedule with W actions: weight stashing runs whole backwards only")
 
-    if loss_fn is None:
-        loss_fn = _own_loss
+    loss_fn = _own_loss if loss_fn is None else loss_check.checked(loss_fn)
 
-    def stash(module: nn.Module) -> WeightStash | None:
-        return WeightStash(module, optimizer, schedule.update_every) if schedule.asynchronous else None
+    def stash(module: nn.Module) -> WeightStash | None:  # a stage without parameters has no versions to keep
+        has_parameters = next(iter(module.parameters()), None) is not None
+        if not (schedule.asynchronous and has_parameters):
+            return None
+        return WeightStash(module, optimizer, schedule.update_every)
 
     return {s: StageWorker(s, partition.stages[s], partition.bounds[s], schedule.n_stages, loss_fn, checkpoint[s],
                            device_of(s), rank=rank, splits_backward=splits[s], stash=stash(partition.stages[s]),

@@ -43,6 +43,7 @@ class Schedule:
     update_every: int = 1
 
     def __post_init__(self) -> None:
+        check_fields(self)
         split = {a.stage for row in self.actions if isinstance(row, list) for a in row
                  if isinstance(a, Action) and a.kind is Kind.W}
         if split:  # B on a stage with W's is its input-gradient half: say so with I
@@ -133,11 +134,24 @@ class Schedule:
         return cls(max(n_stages, len(rows)), n_microbatches, rows, name=name)
 
 
+def check_fields(schedule: Schedule) -> None:
+    """`asynchronous` a bool and `update_every` a positive int (checked when a Schedule is made, and by
+    `validate`: a field set afterwards)."""
+    if not isinstance(schedule.asynchronous, bool):
+        raise ScheduleError(f"the schedule's asynchronous must be True or False, got "
+                            f"{type(schedule.asynchronous).__name__} {schedule.asynchronous!r}")
+    every = schedule.update_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ScheduleError(f"the schedule's update_every (backwards between two weight updates of an asynchronous "
+                            f"schedule) must be a positive int, got {type(every).__name__} {every!r}")
+
+
 def check_structure(schedule: Schedule) -> None:
     """Everything `validate` checks except the dependencies (which need a run of `run_dependencies`)."""
     if not isinstance(schedule, Schedule):
         raise TypeError(f"validate expects a pipelab Schedule, got {type(schedule).__name__}")
     check_counts(n_stages=schedule.n_stages, n_microbatches=schedule.n_microbatches)
+    check_fields(schedule)
     if schedule.n_devices < 1:
         raise ScheduleError("the schedule has no devices: actions must be a list with one list per device")
     if not _looks_valid(schedule):  # fast path for the common case; the checks below name the problem

@@ -98,18 +98,22 @@ def from_torch(pipeline_order: Mapping[int, list], n_microbatches: int, name: st
     check_counts(n_microbatches=n_microbatches)
     if not isinstance(pipeline_order, Mapping) or not pipeline_order:
         raise TypeError("pipeline_order must be a non-empty dict {rank: [actions]}, as PyTorch's schedules hold it")
-    ranks = sorted(pipeline_order)
+    keys = list(pipeline_order)
+    if not all(type(rank) is int for rank in keys):
+        odd = next(rank for rank in keys if type(rank) is not int)
+        raise TypeError(f"pipeline_order's keys are ranks (ints), got {odd!r}")
+    ranks = sorted(keys)
     if ranks != list(range(len(ranks))):
         raise ScheduleError(f"pipeline_order's ranks must be 0..{len(ranks) - 1}, got {ranks}")
     rows: list[list[tuple[str, int, int, str]]] = []  # (kind, stage, micro-batch, PyTorch's kind)
     for rank in ranks:
+        entries = pipeline_order[rank]
+        if not isinstance(entries, (list, tuple)):
+            raise TypeError(f"rank {rank}'s row of pipeline_order must be a list of actions, got "
+                            f"{type(entries).__name__} {entries!r}")
         row = []
-        for position, entry in enumerate(pipeline_order[rank]):
-            if isinstance(entry, str):
-                entry = _Action.from_str(entry)
-            if entry is None:
-                continue
-            for part in entry.sub_actions or (entry,):
+        for position, entry in enumerate(entries):
+            for part in _parts(entry, f"rank {rank}, position {position}", _Action):
                 kind = _KIND.get(part.computation_type.value)
                 if kind is None:  # communication or bookkeeping
                     continue
@@ -129,6 +133,31 @@ def from_torch(pipeline_order: Mapping[int, list], n_microbatches: int, name: st
         actions.append(out)
     n_stages = 1 + max((a.stage for row in actions for a in row), default=0)
     return Schedule(n_stages, n_microbatches, actions, name=name)
+
+
+def _parts(entry, where: str, action_type) -> tuple:
+    """The PyTorch actions of one entry of a row: none for an idle slot (None or ""), its sub-actions for an
+    OVERLAP_F_B, else itself; an entry that is none of PyTorch's forms is named (`where`)."""
+    if isinstance(entry, str):
+        try:
+            entry = action_type.from_str(entry)
+        except (ValueError, RuntimeError, KeyError, AttributeError) as error:
+            raise ScheduleError(f"{where}: cannot read {entry!r} as a PyTorch action (like '2F0' or '1B3'): "
+                                f"{error}") from None
+    if entry is None:
+        return ()
+    if not isinstance(entry, action_type):
+        raise TypeError(f"{where}: {entry!r} ({type(entry).__name__}) is not a PyTorch action: an entry is an "
+                        "_Action, its text like '2F0', or None for an idle slot")
+    parts = entry.sub_actions or (entry,)
+    for part in parts:
+        if not isinstance(part, action_type) or not hasattr(part.computation_type, "value"):
+            raise TypeError(f"{where}: {part!r} in {entry!r} is not a PyTorch action")
+        if type(part.stage_index) is not int or (part.microbatch_index is not None
+                                                 and type(part.microbatch_index) is not int):
+            raise ScheduleError(f"{where}: {part!r} must name its stage and micro-batch with ints, got "
+                                f"{part.stage_index!r} and {part.microbatch_index!r}")
+    return parts
 
 
 def torch_schedule(name: str, n_devices: int, n_microbatches: int, n_chunks: int | None = None) -> Schedule:

@@ -16,7 +16,8 @@ from .schedule import Schedule, check_structure
 def validate(schedule: Schedule) -> Schedule:
     """Check `schedule` and return it, or raise `ScheduleError` naming the first problem.
 
-    Checked in order: every entry is an Action with a known kind, stage and micro-batch;
+    Checked in order: `asynchronous` is a bool and `update_every` a positive int; every entry is an
+    Action with a known kind, stage and micro-batch;
     no action appears twice; each stage runs on one device; every micro-batch has its F and
     its B on every stage (or its I and W, on a stage that splits the backward); and the dependencies can all be met —
     found by running them (`run_dependencies`): a device whose next action waits for

@@ -1,0 +1,96 @@
+"""The ranks of a distributed pipeline agree on its configuration, or every one of them says where they differ.
+
+Every rank builds `DistributedPipeline` with its own arguments; ranks given different ones
+(another m, another schedule, another model) would otherwise fail later, with a message about
+a tensor's size or a tag, or hang.  At start-up, before any other communication, the ranks
+all-gather a few short fields, once: the pipeline depth p, the micro-batches m, the schedule's
+name and a hash of its action table, the layout, a hash of the model's parameter names and
+shapes, and the loss normalization.  A difference raises, on every rank alike:
+
+    ValueError: ranks 0 and 1 disagree on n_microbatches: 4 vs 8 (...)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..schedules.schedule import Schedule
+
+SIZE = 1024  # bytes per rank in the all-gather: the fields as JSON, zero-padded
+_LONGEST = 120  # characters kept of one field's value
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def model_structure(model: nn.Module) -> str:
+    """The model's parameter names, shapes and dtypes, as a count and a hash."""
+    described = [(name, tuple(p.shape), str(p.dtype)) for name, p in model.named_parameters()]
+    count = sum(p.numel() for p in model.parameters())
+    return f"{len(described)} tensors, {count} values, hash {_digest(repr(described))}"
+
+
+def schedule_table(schedule: Schedule) -> str:
+    """A hash of the schedule's action table (with `asynchronous` and `update_every`)."""
+    table = [[str(a) for a in row] for row in schedule.actions]
+    return _digest(repr((schedule.n_stages, schedule.n_microbatches, table, schedule.asynchronous,
+                         schedule.update_every)))
+
+
+def fields(schedule: Schedule, n_microbatches: int, layout, model: nn.Module, loss_normalization: str) -> dict:
+    """What the ranks must agree on, by name, as short strings."""
+    return {
+        "n_stages": str(schedule.n_stages),
+        "n_microbatches": str(n_microbatches),
+        "schedule": str(schedule.name),
+        "the schedule's action table": schedule_table(schedule),
+        "layout": str(layout),
+        "model structure (parameter names and shapes)": model_structure(model),
+        "loss_normalization": str(loss_normalization),
+    }
+
+
+def _encode(found: dict) -> torch.Tensor:
+    data = json.dumps({k: str(v)[:_LONGEST] for k, v in found.items()}).encode()
+    if len(data) > SIZE:  # never with these fields; cut the values further rather than fail
+        data = json.dumps({k: str(v)[:20] for k, v in found.items()}).encode()[:SIZE]
+    buffer = torch.zeros(SIZE, dtype=torch.uint8)
+    buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return buffer
+
+
+def _decode(buffer: torch.Tensor) -> dict:
+    data = bytes(buffer.cpu().tolist()).rstrip(b"\0")
+    try:
+        return json.loads(data.decode())
+    except ValueError:
+        return {"(unreadable)": data[:40].decode(errors="replace")}
+
+
+def disagreement(per_rank: list[dict]) -> str | None:
+    """The message naming the first rank that differs from rank 0 and every field it differs on, or None."""
+    first = per_rank[0]
+    for rank, other in enumerate(per_rank[1:], start=1):
+        differ = [(name, first.get(name), other.get(name)) for name in {**first, **other}
+                  if first.get(name) != other.get(name)]
+        if differ:
+            listed = "; ".join(f"{name}: {mine} vs {theirs}" for name, mine, theirs in differ)
+            return (f"ranks 0 and {rank} disagree on {listed}. Every rank must build the pipeline with the same "
+                    "arguments and the same model (same seed)")
+    return None
+
+
+def agree(found: dict, group, device: torch.device) -> None:
+    """All-gather `found` (`fields`) over `group` and raise a ValueError on every rank if two ranks differ."""
+    mine = _encode(found).to(device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    message = disagreement([_decode(buffer) for buffer in gathered])
+    if message is not None:
+        raise ValueError(message)
