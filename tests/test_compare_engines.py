@@ -109,7 +109,7 @@ def test_a_failing_rank_ends_the_run_with_its_own_message():
     error = caught.value
     assert error.rank == 1  # the last stage, the only one that reads the targets
     assert "F(stage 1, mb 0) failed on stage 1" in error.message and "rank 1" in error.message
-    assert "must match the size" in error.message
+    assert "but the output has shape (4, 64) and the target shape (4, 32)" in error.message
 
 
 def test_limits_of_a_real_run():
