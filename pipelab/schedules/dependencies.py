@@ -90,42 +90,50 @@ def run_dependencies(schedule: "Schedule", duration: Duration, links: Sequence[f
     if links is not None and len(links) != max(p - 1, 0):
         raise ValueError(f"links gives {len(links)} times for {p} stages; give one per boundary ({max(p - 1, 0)})")
     needs = needs_by_kind_and_stage(schedule, links)
-    if callable(duration):
-        seconds_of = duration
-    else:
-        table = {(kind, stage): seconds for kind, per_stage in duration.items() for stage, seconds in enumerate(per_stage)}
-        seconds_of = lambda action: table[action[0], action[1]]  # noqa: E731
-    end: dict[tuple, float] = {}  # action -> when it ends (looked up with plain (kind, stage, mb) tuples)
-    parked: dict[tuple, list[int]] = {}  # a result not yet computed -> the devices waiting for it
-    waits_for: dict[int, tuple] = {}  # device -> the result it waits for
+    table = None if callable(duration) else {
+        (kind, stage): seconds for kind, per_stage in duration.items() for stage, seconds in enumerate(per_stage)}
+    seconds_of = duration if table is None else lambda action: table[action[0], action[1]]  # noqa: E731
+    # Each result has a slot, (kind, stage, micro-batch) numbered from 0: `end[slot]` is when it ends.
+    # A list and integer slots, not a dict of tuples: this loop runs once per action, and the simulator
+    # (benchmarks/simulator.py, part 1) needs >= 500k actions/s.
+    m, kinds = schedule.n_microbatches, list(KIND_SPECS)
+    first_slot = {(kind, stage): (k * p + stage) * m for k, kind in enumerate(kinds) for stage in range(p)}
+    plan = {key: (first_slot[key], [(first_slot[kind, stage], delay) for kind, stage, delay in wanted],
+                  None if table is None else table.get(key))
+            for key, wanted in needs.items()}  # (its first slot, its needs' first slots and delays, its seconds)
+    end: list[float | None] = [None] * (len(kinds) * p * m)
+    parked: dict[int, list[int]] = {}  # a slot not yet computed -> the devices waiting for it
+    waits_for: dict[int, int] = {}  # device -> the slot it waits for
     events: list[Event] = []
     position, free = [0] * len(rows), [0.0] * len(rows)
     runnable = deque(range(len(rows)))
+    make_event, add_event, wake = tuple.__new__, events.append, runnable.extend
     while runnable:
         device = runnable.popleft()
         row, k, ready_at = rows[device], position[device], free[device]
         while k < len(row):
             action = row[k]
             kind, stage, mb = action
+            here, wanted, seconds = plan[kind, stage]
             start = ready_at
-            for need_kind, need_stage, delay in needs[kind, stage]:
-                need = (need_kind, need_stage, mb)
-                done = end.get(need)
+            for need, delay in wanted:
+                done = end[need + mb]
                 if done is None:  # not computed yet: park on it
-                    parked.setdefault(need, []).append(device)
-                    waits_for[device] = need
+                    parked.setdefault(need + mb, []).append(device)
+                    waits_for[device] = need + mb
                     break
                 if done + delay > start:
                     start = done + delay
             else:
-                ready_at = start + seconds_of(action)
-                end[action] = ready_at
-                events.append(Event(kind, stage, mb, start, ready_at, device))
+                ready_at = start + (seconds_of(action) if seconds is None else seconds)
+                end[here + mb] = ready_at
+                add_event(make_event(Event, (kind, stage, mb, start, ready_at, device)))
                 k += 1
-                runnable.extend(parked.pop(action, ()))
+                if parked:
+                    wake(parked.pop(here + mb, ()))
                 continue
             break
         position[device], free[device] = k, ready_at
-    stuck = {device: (rows[device][position[device]], Action(*need))
-             for device, need in waits_for.items() if position[device] < len(rows[device])}
+    stuck = {device: (rows[device][position[device]], Action(kinds[slot // (p * m)], slot // m % p, slot % m))
+             for device, slot in waits_for.items() if position[device] < len(rows[device])}
     return Timing(events, stuck)
