@@ -7,7 +7,7 @@ checks it (`validate.py`), the simulator and the engines run it.
 from __future__ import annotations
 
 from ..common.checks import check_counts
-from .action import Action
+from .action import Action, Kind
 from .beyond import zero_bubble_h1
 from .schedule import Schedule
 
@@ -26,7 +26,7 @@ def gpipe(n_stages: int, n_microbatches: int) -> Schedule:
     """
     check_counts(n_stages=n_stages, n_microbatches=n_microbatches)
     actions = [
-        [Action("F", s, i) for i in range(n_microbatches)] + [Action("B", s, i) for i in range(n_microbatches)]
+        [Action(Kind.F, s, i) for i in range(n_microbatches)] + [Action(Kind.B, s, i) for i in range(n_microbatches)]
         for s in range(n_stages)
     ]
     return Schedule(n_stages, n_microbatches, actions, name="gpipe")
@@ -56,10 +56,10 @@ def _one_f_one_b_rows(n_microbatches: int, warmups: list[int]) -> list[list[Acti
     in turn (steady state), then the remaining backwards (cool-down)."""
     actions = []
     for s, warmup in enumerate(warmups):
-        row = [Action("F", s, i) for i in range(warmup)]
+        row = [Action(Kind.F, s, i) for i in range(warmup)]
         for i in range(n_microbatches - warmup):  # steady state: one forward, one backward
-            row += [Action("F", s, warmup + i), Action("B", s, i)]
-        row += [Action("B", s, i) for i in range(n_microbatches - warmup, n_microbatches)]  # cool-down
+            row += [Action(Kind.F, s, warmup + i), Action(Kind.B, s, i)]
+        row += [Action(Kind.B, s, i) for i in range(n_microbatches - warmup, n_microbatches)]  # cool-down
         actions.append(row)
     return actions
 
