@@ -57,3 +57,21 @@ def clipped(cases: list[tuple], max_norm: float) -> list[dict]:
         norm = pipe.clip_grad_norm_(max_norm)
         found.append({"norm": norm, "grads": pipe.gradients()})
     return found
+
+
+def padded_tokens() -> tuple[torch.Tensor, torch.Tensor]:
+    """The GPT's batch with padded rows (targets -100) spread unevenly over replicas and micro-batches."""
+    x, y = pl.models.sample_batch(make_model("gpt"), BATCH, seed=2)
+    y = y.clone()
+    y[1, 2:], y[4, 1:], y[12:, 3:] = -100, -100, -100
+    return x, y
+
+
+def tokens_over_replicas(shape: tuple) -> dict:
+    """On every rank: one step with loss_normalization="tokens" on the padded batch."""
+    model = make_model("gpt")
+    x, y = padded_tokens()
+    pipe = pl.DistributedPipeline(model, n_microbatches=2, schedule="1f1b", loss_fn=pl.models.lm_loss,
+                                  loss_normalization="tokens", layout=Layout(*shape))
+    result = pipe.step(x, y)
+    return {"loss": result.loss, "grads": pipe.gradients()}

@@ -142,3 +142,20 @@ def test_clip_grad_norm_is_the_whole_models_on_every_layout():
             assert rank[c]["norm"] == pytest.approx(norm, rel=1e-5), (kind, layouts[c])
             for name, grad in rank[c]["grads"].items():
                 torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, rtol=1e-5, atol=1e-6)
+
+
+def test_token_weights_span_the_replicas_so_padding_gives_the_model_loss():
+    """dp = 2, pp = 2, padded targets: each replica's micro-batches weigh c_i / C with C counted over the whole
+    batch, so every rank's loss and gradients are the single-device token-mean step's (the loss ignores -100)."""
+    x, y = cases.padded_tokens()
+    model = make_model("gpt")
+    loss = pl.models.lm_loss(model(x), y)
+    loss.backward()
+    per_rank = pl.distributed.launch(cases.tokens_over_replicas, 4, (2, 2, 1), timeout_seconds=120)
+    seen = set()
+    for rank in per_rank:
+        assert rank["loss"] == pytest.approx(loss.item(), rel=1e-5)
+        for name, grad in rank["grads"].items():
+            seen.add(name)
+            torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, **TOLERANCE, msg=name)
+    assert seen == {name for name, _ in model.named_parameters()}
