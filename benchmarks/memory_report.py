@@ -23,6 +23,9 @@ Three figures per stage, never confused (DESIGN.md, "Measuring memory honestly")
    consistency check) and observed / predicted.
 4. The time cost of checkpointing: median makespan with / without (1F1B, m = 8) against
    the simulator's ratio (model: each B grows by one F; Chen et al. 2016 report ~30 %).
+5. Zero-bubble memory (ZB-H1 against 1F1B, a GPT with 48-token sequences, p = 3, m = 6):
+   per stage M_B (what F saved), M_W (what waits from I to W), the counted and observed
+   peaks, the bound p·M_B, and the Zero Bubble paper's M_W / M_B = 32 / (34 + 5as/h).
 """
 
 from __future__ import annotations
@@ -143,12 +146,36 @@ def checkpoint_time_cost() -> None:
           f"simulated x{predicted['always'] / predicted['never']:.2f}")
 
 
+def zero_bubble_memory() -> None:
+    p, m, heads, seq, width = 3, 6, 4, 48, 16
+    model = pl.models.tiny_gpt(n_layers=4, d_model=width, n_heads=heads, vocab_size=32, seq_len=seq, seed=1)
+    x, y = pl.models.sample_batch(model, 2 * m)
+    runs = {}
+    for schedule in ("1f1b", "zb-h1"):
+        pipe = pl.Pipeline(model, n_stages=p, n_microbatches=m, schedule=schedule,
+                           loss_fn=pl.models.default_loss(model), devices="cpu")
+        runs[schedule] = (pipe.step(x, y).trace, pipe.workers)
+        model.zero_grad(set_to_none=True)
+    zb, workers = runs["zb-h1"]
+    paper = 32 / (34 + 5 * heads * seq / width)
+    print(f"\n5. zero-bubble memory: GPT 4 layers, h = {width}, a = {heads}, s = {seq}, p = {p}, m = {m}  (KiB; "
+          f"the paper's M_W / M_B here: {paper:.2f})")
+    print(f"{'stage':>5} {'M_B':>8} {'M_W':>8} {'M_W/M_B':>8} {'1F1B counted':>13} {'ZB-H1 counted':>14} "
+          f"{'ZB-H1 observed':>15} {'p M_B':>8}")
+    for s in range(p):
+        m_b, m_w = max(workers[s].saved_bytes.values()), max(workers[s].for_w_bytes.values())
+        print(f"{s:>5} {kib(m_b):>8} {kib(m_w):>8} {m_w / m_b:8.2f} {kib(runs['1f1b'][0].peak_memory[s]):>13} "
+              f"{kib(zb.peak_memory[s]):>14} {kib(zb.peak_memory_observed[s]):>15} {kib(p * m_b):>8}")
+    print("stage 0 starts from token ids: no input gradient, its W runs the whole backward, nothing leaves at I")
+
+
 def main() -> None:
     torch.set_num_threads(1)
     lesson_04_setting()
     on_processes()
     sweep()
     checkpoint_time_cost()
+    zero_bubble_memory()
 
 
 if __name__ == "__main__":

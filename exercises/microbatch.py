@@ -47,7 +47,9 @@ def merge(chunks: list) -> Any:
     outputs of a stage for each micro-batch).  Tensor leaves are joined with
     ``torch.cat(..., dim=0)``, which keeps their dtype and lets gradients flow back to
     each chunk; every other leaf is taken from the first chunk, the same object, so
-    ``merge(split(batch, n))`` equals ``batch``.  ``chunks`` are left unchanged.
+    ``merge(split(batch, n))`` equals ``batch``.  Where the chunks' non-tensor leaves
+    differ (a count or a name per micro-batch), the first chunk's leaf wins: the others
+    are neither compared nor gathered into a list.  ``chunks`` are left unchanged.
 
     >>> merge([torch.tensor([0, 1, 2]), torch.tensor([3, 4])])
     tensor([0, 1, 2, 3, 4])

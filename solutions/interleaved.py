@@ -9,7 +9,9 @@ def interleaved_1f1b_schedule(n_devices: int, n_microbatches: int,
 
     The model is cut into p·v stages (p = ``n_devices``, v = ``n_chunks``); stage k runs on
     device k mod p, so device d holds the chunks d, d + p, d + 2p, ...  Row d of the result
-    is device d's ordered list of ``(kind, stage, microbatch)``.  Device d walks its m·v
+    is device d's ordered list of actions ``(kind, stage, microbatch)``, each a tuple of a
+    ``str`` and two ``int`` (Task 2.1's format, not lists); the table is a list of lists,
+    new at each call (the caller may change it).  Device d walks its m·v
     chunk-micro-batches (m = ``n_microbatches``) in rounds of p micro-batches:
 
     - forward number k (k = 0 .. m·v - 1) is micro-batch (k // (p·v))·p + k mod p through
@@ -27,8 +29,9 @@ def interleaved_1f1b_schedule(n_devices: int, n_microbatches: int,
         device 1 | .   F0  F1  3F0 3B0 3F1 3B1 F2  B0  F3  B1  3F2 3B2 3F3 3B3 B2  B3  .
 
     Raises:
-        ValueError: if a count is below 1, or ``n_microbatches`` is not a multiple of
-            ``n_devices`` (say which multiples would work).
+        ValueError: if a count is below 1 (zero or negative), or ``n_microbatches`` is
+            not a multiple of ``n_devices``, whatever ``n_chunks`` (v = 1 included; say
+            which multiples would work).
     """
     p, m, v = n_devices, n_microbatches, n_chunks
     if p < 1 or m < 1 or v < 1:

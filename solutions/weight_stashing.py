@@ -16,13 +16,19 @@ def weight_versions(table: list[list[tuple[str, int, int]]], update_every: int =
     - after every `update_every`-th B of stage s, its optimizer updates the live weights:
       the version goes up by one.
 
+    Several stages may share a device (one list, e.g. interleaved 1F1B's): each counts its
+    own backwards and moves its own live weights, so a B of stage 1 neither updates stage
+    0's weights nor counts towards stage 0's `update_every`, even where it comes before a
+    later F of stage 0.
+
     Returns {(kind, stage, microbatch): version} for every action; the table is not changed.
 
     >>> weight_versions([[("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("B", 0, 2)]])
     {('F', 0, 0): 0, ('F', 0, 1): 0, ('B', 0, 0): 0, ('F', 0, 2): 1, ('B', 0, 1): 0, ('B', 0, 2): 1}
 
     Raises:
-        ValueError: if ``update_every < 1``, or a B comes before its F in its list.
+        ValueError: if ``update_every < 1`` (zero or negative), or a B comes before its F
+            in its list.
     """
     if update_every < 1:
         raise ValueError(f"update_every must be at least 1, got {update_every}")
@@ -46,7 +52,9 @@ def versions_in_flight(table: list[list[tuple[str, int, int]]], update_every: in
     """Per stage, the most weight versions it must keep at once: its live weights plus every
     version stashed by a micro-batch whose F has run and whose B has not, counted after each
     action of its list.  1F1B's order with update_every=1 and m >= 2p - 1 micro-batches:
-    p - s on stage s (PipeDream's p - s stashed versions).  The table is not changed.
+    p - s on stage s (PipeDream's p - s stashed versions).  The table is not changed; it
+    raises ValueError where :func:`weight_versions` does (``update_every < 1``, a B before
+    its F).
 
     >>> versions_in_flight([[("F", 0, 0), ("F", 0, 1), ("B", 0, 0), ("F", 0, 2), ("B", 0, 1), ("B", 0, 2)],
     ...                     [("F", 1, 0), ("B", 1, 0), ("F", 1, 1), ("B", 1, 1), ("F", 1, 2), ("B", 1, 2)]])

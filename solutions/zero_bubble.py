@@ -8,14 +8,21 @@ def zero_bubble_h1_schedule(n_stages: int, n_microbatches: int) -> list[list[tup
 
     Three kinds of action: F (forward), B (the gradient of the stage's *input* only, which
     stage s - 1 waits for) and W (the gradient of the stage's *weights*, which nobody waits
-    for; W(s, i) needs B(s, i)).  Row s is device s's list of ``(kind, stage, microbatch)``.
-    Stage s runs 1F1B's order with B as its backward,
+    for; W(s, i) needs B(s, i)).  Row s is device s's list of actions
+    ``(kind, stage, microbatch)``, each a tuple of a ``str`` and two ``int`` (Task 2.1's
+    format, not lists); the table is a list of lists, new at each call (the caller may
+    change it).  Stage s runs 1F1B's order with B as its backward,
 
     - warm-up w = min(p - s - 1, m) forwards; then for k = 0 .. m - 1: the forward
       F(s, w + k) if there is one left, then B(s, k);
     - its first s backwards are not followed by a W; every later B is followed by the W
       of the oldest micro-batch whose W has not run yet;
     - the W's still owed run at the end, oldest first.
+
+    The delay is s even when m < p cuts the warm-up short (not p - 1 - w):
+
+    >>> [" ".join(f"{kind}{mb}" for kind, _, mb in row) for row in zero_bubble_h1_schedule(4, 2)]
+    ['F0 F1 B0 W0 B1 W1', 'F0 F1 B0 B1 W0 W1', 'F0 F1 B0 B1 W0 W1', 'F0 B0 F1 B1 W0 W1']
 
     Deferring W fills the idle slots 1F1B leaves: with the same T_F, T_B, T_W on every
     stage (m >= p, T_W <= T_F, T_B) each stage idles (p - 1)(T_F + T_B - T_W) instead of
@@ -29,7 +36,7 @@ def zero_bubble_h1_schedule(n_stages: int, n_microbatches: int) -> list[list[tup
         device 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 F6 B6 W3 F7 B7 W4 W5 W6 W7
 
     Raises:
-        ValueError: if ``n_stages < 1`` or ``n_microbatches < 1``.
+        ValueError: if ``n_stages < 1`` or ``n_microbatches < 1`` (zero or negative).
     """
     p, m = n_stages, n_microbatches
     if p < 1 or m < 1:

@@ -1,15 +1,96 @@
-"""Lesson 08's functions (pipelab/course/hybrid_lesson.py) beside what they are built on.
+"""Lesson 08's functions (pipelab/course/hybrid_lesson.py) beside what they are built on, and its
+picture (pipelab/show/tensor_parallel_picture.py).
 
 `run_layouts` itself runs in the lesson under nbval (its engine is tested in tests/test_hybrid.py)."""
 
+import math
+
+import matplotlib.pyplot as plt
+import matplotlib.text
+import pytest
+from matplotlib.figure import Figure
+from matplotlib.patches import Rectangle
+
 import pipelab as pl
 import pipelab.course.hybrid_lesson as lesson
-from pipelab.predict.hybrid_costs import cluster_links, predict
 from pipelab.predict.comm_formulas import step_bytes
+from pipelab.predict.hybrid_costs import cluster_links, predict
+from pipelab.show.tensor_parallel_picture import TITLES, draw_tensor_parallel
 
 
-def test_real_runs_multiply_to_their_gpus():
-    assert all(dp * pp * tp == gpus for _, gpus, dp, pp, tp, _ in lesson.REAL_RUNS)
+def test_real_runs_multiply_to_their_devices():
+    assert all(run.dp * run.pp * run.tp == run.devices for run in lesson.REAL_RUNS)
+    assert [run.pp for run in lesson.REAL_RUNS if run.name.startswith("PaLM")] == [1]  # PaLM used no pipeline
+
+
+@pytest.mark.parametrize("global_batch,microbatch_size,dp,pp", [
+    (512, 1, 64, 1), (512, 1, 8, 8), (512, 1, 1, 64), (512, 4, 16, 4), (96, 2, 3, 5), (8, 1, 1, 8)])
+def test_bubble_at_fixed_batch_is_the_simulated_bubble(global_batch, microbatch_size, dp, pp):
+    found = lesson.bubble_at_fixed_batch(global_batch, microbatch_size, dp, pp)
+    m = global_batch // (microbatch_size * dp)
+    assert type(found.n_microbatches) is int and found.n_microbatches == m
+    assert found.bubble_over_ideal == (pp - 1) * microbatch_size * dp / global_batch  # SC21 §3.3
+    assert math.isclose(found.bubble_fraction / (1 - found.bubble_fraction), found.bubble_over_ideal, abs_tol=1e-12)
+    for schedule in (pl.schedules.one_f_one_b(pp, m), pl.schedules.gpipe(pp, m)):
+        simulated = pl.simulate(schedule, pl.Costs(forward=1.0, backward=2.0)).bubble_fraction
+        assert math.isclose(simulated, found.bubble_fraction, abs_tol=1e-12)
+
+
+def test_bubble_at_fixed_batch_grows_as_devices_move_from_dp_to_pp():
+    bubbles = [lesson.bubble_at_fixed_batch(512, 1, 64 // pp, pp).bubble_fraction for pp in (1, 2, 4, 8, 16, 32, 64)]
+    assert bubbles[0] == 0 and bubbles == sorted(bubbles) and len(set(bubbles)) == len(bubbles)
+
+
+def test_bubble_at_fixed_batch_refuses_a_batch_that_does_not_divide():
+    with pytest.raises(ValueError, match=r"500 / \(1·8\) = 62.5"):
+        lesson.bubble_at_fixed_batch(500, 1, 8, 2)
+
+
+@pytest.mark.parametrize("shape", [(1, 2, 2), (1, 3, 2), (1, 2, 4), (2, 2, 2)])
+def test_tp_over_pp_payload_is_the_closed_forms_ratio(shape):
+    model, layout = lesson.make_model("gpt"), pl.Layout(*shape)
+    zeros = [{k: {"bytes": 0} for k in lesson.KINDS}] * layout.world_size
+    _, formula = step_bytes(zeros, model, layout, lesson.BATCH, lesson.MICROBATCHES,
+                            pl.split(model, layout.pp, "uniform").bounds)
+    n_layers = sum(isinstance(block, pl.models.TransformerBlock) for block in model)
+    assert formula["tp"] / formula["pp"] == lesson.tp_over_pp_payload(n_layers, layout.tp, layout.pp)
+    assert lesson.tp_over_pp_payload(n_layers, 8, 1) == math.inf
+
+
+def test_split_linear_by_hand_sums_where_megatron_all_reduces():
+    for tp in (2, 4):
+        found = lesson.split_linear_by_hand(tp=tp, in_features=8, out_features=12)
+        assert max(found["column: the slices side by side"], found["row: the partials summed"],
+                   found["column ∂X: summed"]) < 1e-12
+        assert found["row: one rank's partial"] > 0.1 and found["column ∂X: one rank's"] > 0.1
+
+
+def test_the_tensor_parallel_picture_has_its_three_panels_and_labels(monkeypatch):
+    drawn = []
+    original = matplotlib.text.Text.draw
+
+    def draw_and_record(self, renderer):
+        original(self, renderer)
+        if self.get_visible() and self.get_text().strip():
+            drawn.append((self.get_text(), self.get_window_extent(renderer)))
+
+    monkeypatch.setattr(matplotlib.text.Text, "draw", draw_and_record)
+    fig = draw_tensor_parallel()
+    assert isinstance(fig, Figure)
+    assert [ax.get_title() for ax in fig.axes] == list(TITLES)
+    assert TITLES[0].startswith("column-parallel") and TITLES[1].startswith("row-parallel")
+    fig.canvas.draw()
+    texts = [text for text, _ in drawn]
+    for ax, wanted in zip(fig.axes, (["f", "$A_0$", "$A_1$", "$Y_0$", "$Y_1$"], ["g", "$X_0 A_0$", "$X_1 A_1$", "$Y$"],
+                                     ["all-gather", "send $Y_0$ (1/t)", "send $Y_1$ (1/t)"])):
+        assert set(wanted) <= {t.get_text() for t in ax.texts}
+    assert any("all-reduce" in t and "backward" in t for t in texts if t.startswith("f:"))
+    assert any("all-reduce forward" in t for t in texts if t.startswith("g:"))
+    assert sum(isinstance(patch, Rectangle) for patch in fig.axes[0].patches) == 5  # X, A_0, A_1, Y_0, Y_1
+    width, height = fig.canvas.get_width_height()
+    outside = [text for text, box in drawn if box.x0 < -1 or box.y0 < -1 or box.x1 > width + 1 or box.y1 > height + 1]
+    plt.close(fig)
+    assert not outside, f"text outside the figure: {outside}"
 
 
 def test_layout_view_prints_the_prediction():

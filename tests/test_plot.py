@@ -42,6 +42,24 @@ def test_timeline_draws_each_action_in_its_row_and_colour():
     assert labels == ["forward", "backward", "idle (bubble)"]
 
 
+def test_a_devices_second_chunk_is_drawn_in_its_own_shade():
+    """Interleaved 1F1B, p = 2, v = 2: device 0 runs stages 0 and 2; stage 2's forwards are the darker shade,
+    at exactly the times the trace gives them, and the legend says what the shade means."""
+    trace = pl.simulate(pl.schedules.interleaved_1f1b(2, 2, 2))
+    ax = pl.plot.timeline(trace).axes[0]
+
+    def spans(stages):  # a simulated trace is drawn in cost-model units, as it is
+        return sorted((e.device, round(e.start, 6), round(e.duration, 6))
+                      for e in trace.events if e.kind == "F" and e.stage in stages)
+    darker = pl.plot.chunk_shade(pl.plot.COLORS["F"], 1)
+    assert bar_spans(ax, pl.plot.COLORS["F"]) == spans({0, 1})
+    assert bar_spans(ax, darker) == spans({2, 3})
+    assert darker != mcolors.to_rgb(pl.plot.COLORS["F"])
+    assert "darker: a device's 2nd stage (chunk)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    plain = pl.plot.timeline(pl.simulate(pl.schedules.one_f_one_b(2, 2))).axes[0]
+    assert not any("chunk" in t.get_text() for t in plain.get_legend().get_texts())
+
+
 def test_timeline_title_says_simulated():
     assert "simulated" in pl.plot.timeline(two_device_trace("simulated")).axes[0].get_title()
 

@@ -9,11 +9,19 @@
 `count_communication()`.  Back in the caller: the loss and largest gradient difference
 from the single-device step, bytes per kind summed over the ranks beside the closed forms
 (`predict/comm_formulas.py`), and the parameter bytes of the fullest rank.
+
+Beside the run: `split_linear_by_hand` (Megatron's two splits of one Linear, rank by rank in one
+process), `bubble_at_fixed_batch` (the rule that picks d and p at a fixed global batch) and
+`tp_over_pp_payload` (why TP stays inside a node), each with its formula and source below.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
 
 from ..model import models
 from ..model.partition import split
@@ -27,11 +35,27 @@ from ..runtime.processes import launch
 KINDS = STEP_KINDS  # the bars and columns: "pp", "pp_gather", "tp", "dp"
 BATCH, MICROBATCHES = 16, 4
 
-# the layouts of real runs: (name, GPUs, dp, pp, tp, source)
+
+class RealRun(NamedTuple):
+    """The (dp, pp, tp) layout of a published training run; dp·pp·tp = devices."""
+
+    name: str
+    devices: int  # GPUs, or TPU v4 chips for PaLM
+    dp: int
+    pp: int
+    tp: int
+    n_layers: int
+    source: str
+
+
+# the largest dense runs mix the kinds; PaLM is the counter-example, with no pipeline at all
 REAL_RUNS = [
-    ("BLOOM-176B", 384, 8, 12, 4, "BigScience 2022, Megatron-DeepSpeed; TP inside an 8-GPU node"),
-    ("Megatron-LM 1T", 3072, 6, 64, 8, "Narayanan et al. 2021, Table 1: 8-way TP per DGX A100 node"),
-    ("Megatron-LM 146B", 1536, 24, 8, 8, "Narayanan et al. 2021, Table 1"),
+    RealRun("BLOOM-176B", 384, 8, 12, 4, 70, "Le Scao et al. 2022 (BLOOM): A100s, Megatron-DeepSpeed"),
+    RealRun("MT-NLG 530B", 4480, 16, 35, 8, 105, "Smith et al. 2022: 8-way TP in a DGX A100 node, 280 GPUs a replica"),
+    RealRun("Llama 3 405B", 16384, 128, 16, 8, 126, "Llama 3 Herd of Models 2024, Table 4: H100s, context parallel 1"),
+    RealRun("PaLM 540B", 6144, 512, 1, 12, 118,
+            "Chowdhery et al. 2022: TPU v4, 2 pods x (12-way model x 256-way data)"),
+    RealRun("Megatron-LM 1T", 3072, 6, 64, 8, 128, "Narayanan et al. 2021, Table 1: a throughput benchmark"),
 ]
 
 
@@ -54,8 +78,8 @@ def _on_each_rank(shapes: list[tuple[int, int, int]], kind: str) -> list[dict]:
         with pipe.count_communication() as counter:
             result = pipe.step(x, y)
         found.append({"loss": result.loss, "grads": pipe.gradients(), "counts": counter.totals(),
-                      "parameter_bytes": pipe.parameter_bytes(), "activation_bytes": max(
-                          s.bytes for s in result.trace.memory) if result.trace.memory else 0})
+                      "parameter_bytes": pipe.parameter_bytes(),
+                      "activation_bytes": max(result.trace.peak_memory, default=0)})
     return found
 
 
@@ -68,7 +92,7 @@ class LayoutRun:
     measured_bytes: dict  # kind -> bytes of one step, summed over the ranks
     formula_bytes: dict
     parameter_bytes_per_rank: int  # the fullest rank's
-    activation_bytes_per_rank: int  # the fullest rank's peak of kept activations (bytes counted by autograd)
+    activation_bytes_per_rank: int  # the fullest rank's counted peak of kept activations (saved-tensor hooks)
 
 
 def run_layouts(n_ranks: int, shapes: list[tuple[int, int, int]], kind: str = "gpt",
@@ -121,6 +145,83 @@ def plot_bytes(rows: list[LayoutRun], title: str = "bytes of one step, summed ov
     return fig
 
 
+def split_linear_by_hand(tp: int = 2, batch: int = 4, in_features: int = 8, out_features: int = 8,
+                         seed: int = 0) -> dict[str, float]:
+    """Megatron's two splits of Y = X·A (A = weightᵀ), rank by rank in one process, against the whole Linear.
+
+    The largest |difference| from the whole Y = X·A, or from the whole ∂X = ∂Y·Aᵀ (autograd's), of:
+
+        "column: the slices side by side"   [X·A_0 | ... | X·A_t-1], A split by columns: no communication
+        "row: one rank's partial"           X_0·A_0 alone, A split by rows: not Y yet
+        "row: the partials summed"          Σ_r X_r·A_r: the sum is g, an all-reduce forward
+        "column ∂X: one rank's"             ∂X from rank 0's slice alone
+        "column ∂X: summed"                 Σ_r ∂X_r: the sum is f, an all-reduce backward
+
+    (Shoeybi et al. 2019, §3; task 4.2 runs the same on 2 processes with dist.all_reduce.)
+    """
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, in_features, generator=generator, dtype=torch.float64)
+    a = torch.randn(in_features, out_features, generator=generator, dtype=torch.float64)
+    grad_y = torch.randn(batch, out_features, generator=generator, dtype=torch.float64)
+    whole = x @ a
+    grad_x = grad_y @ a.T
+    columns, rows = a.chunk(tp, dim=1), a.chunk(tp, dim=0)
+    partials = [x_r @ a_r for x_r, a_r in zip(x.chunk(tp, dim=1), rows)]
+    rank_grads = []
+    for a_r, grad_y_r in zip(columns, grad_y.chunk(tp, dim=1)):
+        x_copy = x.clone().requires_grad_()
+        (x_copy @ a_r).backward(grad_y_r)  # this rank's part of ∂X: its slice of ∂Y through its columns
+        rank_grads.append(x_copy.grad)
+
+    def worst(found, expected):
+        return float((found - expected).abs().max())
+
+    return {"column: the slices side by side": worst(torch.cat([x @ a_r for a_r in columns], dim=1), whole),
+            "row: one rank's partial": worst(partials[0], whole),
+            "row: the partials summed": worst(sum(partials), whole),
+            "column ∂X: one rank's": worst(rank_grads[0], grad_x),
+            "column ∂X: summed": worst(sum(rank_grads), grad_x)}
+
+
+class FixedBatchBubble(NamedTuple):
+    """What `bubble_at_fixed_batch` returns: m and the bubble written both ways."""
+
+    n_microbatches: int  # m = B / (b·d)
+    bubble_fraction: float  # idle share of the step, (p−1)/(m+p−1), as `Trace.bubble_fraction`
+    bubble_over_ideal: float  # SC21's form, (p−1)/m = bubble_fraction / (1 − bubble_fraction)
+
+
+def bubble_at_fixed_batch(global_batch: int, microbatch_size: int, data_parallel: int,
+                          n_stages: int) -> FixedBatchBubble:
+    """The pipeline bubble of GPipe / 1F1B when the global batch B is fixed (Narayanan et al. 2021, §3.3).
+
+    Each of d replicas gets B/d samples, cut into micro-batches of b: m = B/(b·d).  With equal stages the
+    idle share of the step is (p−1)/(m+p−1); SC21 writes it against the ideal time, (p−1)/m = (p−1)·b·d/B.
+    On n = d·p devices that is (1 − 1/p)·n·b/B: moving devices from d to p gives each replica more
+    micro-batches, never enough, and the bubble grows toward n·b/B; devices given to TP shrink d instead,
+    leaving more micro-batches to each pipeline.
+    """
+    per_replica = microbatch_size * data_parallel
+    if global_batch % per_replica:
+        raise ValueError(f"a global batch of {global_batch} is not a whole number of micro-batches of "
+                         f"{microbatch_size} on {data_parallel} replicas: {global_batch} / ({microbatch_size}·"
+                         f"{data_parallel}) = {global_batch / per_replica:g}")
+    m, p = global_batch // per_replica, n_stages
+    return FixedBatchBubble(m, (p - 1) / (m + p - 1), (p - 1) / m)
+
+
+def tp_over_pp_payload(n_layers: int, tp: int, pp: int) -> float:
+    """Bytes handed to c10d per step by TP over those by PP's sends, summed over all ranks: 2·L·t/(p−1).
+
+    Per micro-batch of A = b·s·h elements: TP, 4 all-reduces of A per layer (2 forward, 2 backward;
+    Shoeybi et al. 2019, §3) on each of t ranks, 4·L·t·A over the pipeline; PP, at each of p−1
+    boundaries t ranks send A/t forward and A/t back (Narayanan et al. 2021, §4.1), 2·(p−1)·A.
+    Payload, not wire bytes: a ring all-reduce puts 2·(t−1)/t of its payload on the wire per rank.
+    Infinite with no pipeline (p = 1).
+    """
+    return math.inf if pp == 1 else 2 * n_layers * tp / (pp - 1)
+
+
 # a GPT layer stack of h = 8192, s = 2048, one sequence per micro-batch, bf16 (for the widget)
 CLUSTER_MODEL = ModelCosts(forward_seconds=0.8, backward_seconds=1.6, activation_bytes=2048 * 8192 * 2,
                            n_layers=16, parameter_bytes=2 * 16 * 12 * 8192 ** 2)
@@ -167,4 +268,5 @@ def layout_widget(n_devices: int = 16, gpus_per_node: int = 8):
     return widgets.VBox([widgets.HBox([dp, tp]), widgets.HBox([inside, between]), out])
 
 
-__all__ = ["KINDS", "REAL_RUNS", "LayoutRun", "layout_view", "layout_widget", "plot_bytes", "run_layouts", "table"]
+__all__ = ["KINDS", "REAL_RUNS", "FixedBatchBubble", "LayoutRun", "RealRun", "bubble_at_fixed_batch", "layout_view",
+           "layout_widget", "plot_bytes", "run_layouts", "split_linear_by_hand", "table", "tp_over_pp_payload"]

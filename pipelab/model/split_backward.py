@@ -28,6 +28,7 @@ class WeightWork:
     groups: list[tuple[list[Node], list[tuple], list[torch.Tensor]]] = field(default_factory=list)
     whole: tuple[list[GradientEdge], list] | None = None  # (the outputs' edges, their grads) without an input path
     parameters: list[torch.Tensor] = field(default_factory=list)
+    nodes: set[Node] | None = None  # the nodes W runs (None: the whole graph); the rest of the graph W never reads
 
     def recorded_gradients(self) -> list[torch.Tensor]:
         """The gradients I recorded for W (memory a stage holds from I to W, with the graph's saved tensors)."""
@@ -115,10 +116,24 @@ def backward_input(outputs, grad_outputs, inputs, parameters: list[torch.Tensor]
         for handle in handles:
             handle.remove()
     by_id = {id(p): p for p in trainable}
+    work.nodes = set()
     for members, reached in groups:
         members = [n for n in members if n in recorded]
         work.groups.append((members, [recorded[n] for n in members], [by_id[i] for i in sorted(reached)]))
+        work.nodes |= _weight_branches(members, reached, to_weights)
     return list(grad_inputs), work
+
+
+def _weight_branches(members: list[Node], reached: set[int], to_weights: dict[Node, set[int]]) -> set[Node]:
+    """The nodes W's call for one group runs: autograd runs a node only on a path from a root (a member) to a
+    requested weight (one of `reached`)."""
+    found, stack = set(members), list(members)
+    while stack:
+        for child, _ in stack.pop().next_functions:
+            if child is not None and child not in found and to_weights[child] & reached:
+                found.add(child)
+                stack.append(child)
+    return found
 
 
 def backward_weight(work: WeightWork) -> None:

@@ -8,8 +8,10 @@ Between F and its backward a micro-batch holds a `Held`: the input and the outpu
 `deallocate_output_tensor` does the same by shrinking `output.data`), or, on a checkpointed
 stage, what it takes to run the forward again (Chen et al. 2016: keep the input, recompute at
 the backward with the first run's random state).  A split backward (`split_backward.py`)
-holds a `HeldForW` from its I to its W.  `SavedTensors` counts the bytes autograd saves for
-backward (the "counted" activation memory), and tells an observer of each storage.
+holds a `HeldForW` from its I to its W, and `keep_only_for_w` drops, after I, every saved tensor
+W will not read (Zero Bubble PP, Table 1: only the layers' inputs and the output gradients wait for W).
+`SavedTensors` counts the bytes autograd saves for backward (the "counted" activation memory), and
+tells an observer of each storage.
 """
 
 from __future__ import annotations
@@ -27,45 +29,123 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from . import boundary, finite, split_backward
 
 
+class Kept:
+    """One tensor autograd saved for backward, as the graph holds it (what the pack hook returns): `tensor`
+    until dropped (None), and the keys of the storages it was counted under."""
+
+    __slots__ = ("tensor", "keys")
+
+    def __init__(self, tensor: torch.Tensor, keys: list[tuple]):
+        self.tensor, self.keys = tensor, keys
+
+
+_reading: set[int] | None = None  # while `saved_read_by` runs: the ids of the `Kept` it unpacked
+_SAVED_NAMES: dict[type, list[str]] = {}  # an autograd node's type -> the names of its saved fields
+
+
 class SavedTensors:
     """`with saved:` counts the bytes autograd saves inside the block, once per storage, leaving out
     `excluded` storages (a stage's parameters; a recomputing stage's input, already held), and hands each
-    storage counted to `observe` (the engine's memory observer).  `bytes` restarts at each entry."""
+    storage counted to `observe` (the engine's memory observer).  `bytes` restarts at each entry;
+    `take()`, inside the block, hands over the saved tensors (`Kept`) and counted sizes so far."""
 
     def __init__(self, excluded: list[torch.Tensor] = (), observe: Callable[[torch.Tensor], None] | None = None):
         self.excluded = {_storage_key(plain) for t in excluded for plain in plain_tensors(t)}
         self.observe = observe
         self.bytes, self.seen, self.also_excluded = 0, set(), set()
+        self.kept, self.sizes = [], {}
 
     def exclude(self, *tensors: Any) -> None:
         """Leave these tensors' storages out until the block ends."""
         self.also_excluded |= {_storage_key(p) for t in tensors if isinstance(t, torch.Tensor) for p in plain_tensors(t)}
 
+    def take(self) -> tuple[list[Kept], dict[tuple, int]]:
+        """The saved tensors holding counted storages, and {storage key: bytes}, since entry or the last take."""
+        taken = self.kept, self.sizes
+        self.kept, self.sizes = [], {}
+        return taken
+
     def __enter__(self) -> "SavedTensors":
         self.bytes, self.seen, self.also_excluded = 0, set(), set()
+        self.kept, self.sizes = [], {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
         self._hooks.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
         self._hooks.__exit__(*exc)
+        self.kept, self.sizes = [], {}  # not taken inside the block: the graph alone holds them
 
-    def _pack(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _pack(self, tensor: torch.Tensor) -> Kept:
+        keys = []
         for plain in plain_tensors(tensor):
             key = _storage_key(plain)
-            if key not in self.excluded and key not in self.also_excluded and key not in self.seen:
+            if key in self.excluded or key in self.also_excluded:
+                continue
+            keys.append(key)
+            if key not in self.seen:
                 self.seen.add(key)
-                self.bytes += plain.untyped_storage().nbytes()
+                self.sizes[key] = plain.untyped_storage().nbytes()
+                self.bytes += self.sizes[key]
                 if self.observe is not None:
                     self.observe(plain)
         # detached: the saved object must not hold the tensor itself, else a node that saves its own output
         # (softmax, exp) and that output hold each other, and a graph kept past its backward (retain_graph,
         # a split backward's I) is never freed (torch.autograd.graph.saved_tensors_hooks, warning)
-        return tensor.detach()
+        kept = Kept(tensor.detach(), keys)
+        if keys:
+            self.kept.append(kept)
+        return kept
 
 
-def _unpack(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor
+def _unpack(kept: Kept) -> torch.Tensor:
+    if _reading is not None:
+        _reading.add(id(kept))
+    if kept.tensor is None:
+        raise RuntimeError("pipelab dropped a saved tensor after I that W reads: please report this model "
+                           "(pipelab/model/stage.py, keep_only_for_w)")
+    return kept.tensor
+
+
+def saved_read_by(nodes) -> set[int] | None:
+    """The ids of the `Kept` the autograd `nodes` hold (their `_saved_*` fields, a custom Function's
+    `saved_tensors`), read as PyTorch's autograd notes describe ("Saved tensors"); None if one cannot be read."""
+    global _reading
+    _reading = set()
+    try:
+        for node in nodes:
+            names = _SAVED_NAMES.get(type(node))
+            if names is None:
+                names = _SAVED_NAMES[type(node)] = [n for n in dir(node) if n.startswith("_saved_") or n == "saved_tensors"]
+            for name in names:
+                getattr(node, name)
+        return _reading
+    except RuntimeError:
+        return None
+    finally:
+        _reading = None
+
+
+def keep_only_for_w(held: "HeldForW", kept: list[Kept], sizes: dict[tuple, int]) -> int:
+    """After I: drop every saved tensor of `kept` that no node W runs (`WeightWork.nodes`) reads, which frees
+    its storage unless something else holds it; return the bytes of `sizes` still held (a storage stays
+    while one of its saved tensors does)."""
+    nodes = held.work.nodes
+    read = None if nodes is None else saved_read_by(nodes)
+    if read is not None:
+        for k in kept:
+            if id(k) not in read:
+                k.tensor = None
+    alive = {key for k in kept if k.tensor is not None for key in k.keys}
+    return sum(size for key, size in sizes.items() if key in alive)
+
+
+def held_for_w_bytes(held: "HeldForW", kept: list[Kept], sizes: dict[tuple, int]) -> int:
+    """`keep_only_for_w`, plus the gradients I recorded for W (once per storage): the bytes a micro-batch
+    holds from its I to its W ("counted")."""
+    recorded = {_storage_key(t): t.untyped_storage().nbytes()
+                for g in held.work.recorded_gradients() for t in plain_tensors(g)}
+    return keep_only_for_w(held, kept, sizes) + sum(size for key, size in recorded.items() if key not in sizes)
 
 
 def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:

@@ -8,6 +8,9 @@ Per stage s (a number applies to every stage, a list gives one value per stage):
   the gradient sent back has the same size;
 - `memory_bytes[s]`: activation bytes stage s keeps per micro-batch from F to B;
 - `input_bytes[s]`: bytes of stage s's input per micro-batch, all a checkpointed stage keeps;
+- `weight_memory_bytes[s]`: of a split backward (I, then W), the bytes a micro-batch still holds from
+  its I to its W: the inputs of the layers with weights and the gradients of their outputs (Zero
+  Bubble PP's M_W, Qi et al. 2024, Table 1); None: all it held, nothing leaves before W;
 - `latency` (seconds) and `bandwidth` (bytes/second) of every link.
 
 A message between stages s and s+1 takes  latency + activation_bytes[s] / bandwidth.
@@ -43,10 +46,14 @@ class Costs:
     activation_bytes: PerStage = 0.0
     memory_bytes: PerStage = 0.0
     input_bytes: PerStage = 0.0
+    weight_memory_bytes: PerStage | None = None
 
     def __post_init__(self) -> None:
-        for name in ("forward", "backward", "weight", "activation_bytes", "memory_bytes", "input_bytes"):
+        for name in ("forward", "backward", "weight", "activation_bytes", "memory_bytes", "input_bytes",
+                     "weight_memory_bytes"):
             values = getattr(self, name)
+            if values is None and name == "weight_memory_bytes":
+                continue
             values = list(values) if isinstance(values, (list, tuple)) else [values]
             if not values or any(not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0
                                  for v in values):
@@ -127,11 +134,36 @@ class Costs:
                 begin = _now(devices[s])
                 gradient = stage_ops.backward(held[s], boundary.moved(gradient, devices[s], copy=False))
                 backward[s].append(_now(devices[s]) - begin)
+        for_w = _held_for_w(parts, inputs, targets, loss_fn, devices, counters)
         for p, g in zip(model.parameters(), saved_grads):
             p.grad = g
         return cls(forward=[min(t) for t in forward], backward=[min(t) for t in backward],
                    latency=latency, bandwidth=bandwidth, activation_bytes=sent, memory_bytes=kept,
-                   input_bytes=received)
+                   input_bytes=received, weight_memory_bytes=for_w)
+
+
+def _held_for_w(parts, inputs, targets, loss_fn, devices, counters) -> list[float]:
+    """Per stage, the bytes a micro-batch holds from its I to its W when the backward is split, from one
+    untimed forward and I then W, as the engine runs them (`stage.held_for_w_bytes`)."""
+    n = len(parts.stages)
+    activation, held, saved = inputs, [], []
+    for s, stage in enumerate(parts.stages):
+        inp = stage_ops.as_input(_move(activation, devices[s]), s == 0)
+        loss = partial(_loss_of, loss_fn, target=_move(targets, devices[s])) if s == n - 1 else None
+        run = _as_the_engine_runs(stage_ops.stage_function(stage, None, loss, stage_ops.starts_in_place(stage)))
+        with counters[s]:
+            output, kept_here = stage_ops.forward(run, inp)
+            saved.append(counters[s].take())
+        held.append(kept_here)
+        if s < n - 1:
+            activation = boundary.detached(output)
+    found, gradient = [0.0] * n, None
+    for s in range(n - 1, -1, -1):
+        parameters = list(parts.stages[s].parameters())
+        gradient, for_w = stage_ops.input_gradient(held[s], boundary.moved(gradient, devices[s], copy=False), parameters)
+        found[s] = float(stage_ops.held_for_w_bytes(for_w, *saved[s]))
+        stage_ops.weight_gradient(for_w)
+    return found
 
 
 def _loss_of(loss_fn: Callable | None, output: Any, target: Any) -> torch.Tensor:

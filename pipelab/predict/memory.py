@@ -5,8 +5,13 @@ simulator (bytes from the cost model) build their "counted" curve the same way:
 
 - F(s, i) ends:   + held(s, i)       (what stage s keeps for micro-batch i until its backward)
 - B(s, i) or I(s, i) starts: + transient(s, i)  (a checkpointed stage recomputing its forward)
-- the action that releases (s, i) ends (`KindSpec.releases`: B, or W when the backward is split):
-                  - held(s, i) - transient(s, i)
+- B(s, i) ends:   - held(s, i) - transient(s, i)
+- a split backward: I(s, i) ends: - held(s, i) - transient(s, i) + for_w(s, i);  W(s, i) ends: - for_w(s, i)
+
+for_w(s, i) is what W still needs (`KindSpec.leaves_for_w`): the inputs of the layers with weights and the
+gradients of their outputs, the Zero Bubble paper's M_W (Qi et al. 2024, Table 1: 32·b·s·h bytes per
+transformer layer at 16 bits, against M_B = 34·b·s·h + 5·a·s²·b for the whole backward).  Without a
+for_w (None) nothing leaves before W: for_w = held + transient.
 
 It is a rule, not a measurement: a prediction from `Costs.from_profile` (the same counts)
 equals the engine's counted curve by construction.  The engines' "observed" curve
@@ -19,26 +24,32 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..schedules.action import GRADIENT_KINDS, RELEASING_KINDS, Kind
+from ..schedules.action import GRADIENT_KINDS, NARROWING_KINDS, RELEASING_KINDS, Kind
 from ..schedules.trace import Event, MemorySample
 
 Bytes = Callable[[int, int], float]  # (stage, microbatch) -> bytes
 
 
-def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int) -> list[MemorySample]:
+def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int,
+                       for_w: Bytes | None = None) -> list[MemorySample]:
     """"counted" memory samples (one per change, plus a zero at t=0 per device) following the rule above."""
-    changes = []  # (time, 0 for a release so it sorts first at equal times, device, delta)
-    for e in events:
+    changes = []  # (time, 0 for a release so it sorts first at equal times, then the events' order, device, delta)
+    split = {(e.stage, e.microbatch) for e in events if e.kind in NARROWING_KINDS}
+    for n, e in enumerate(events):
         stage, mb = e.stage, e.microbatch
+        whole = held(stage, mb) + transient(stage, mb)  # what F and a recomputation added
+        left = whole if for_w is None or (stage, mb) not in split else for_w(stage, mb)  # what waits for W
         if e.kind == Kind.F:
-            changes.append((e.end, 1, e.device, held(stage, mb)))
+            changes.append((e.end, 1, n, e.device, held(stage, mb)))
         if e.kind in GRADIENT_KINDS and transient(stage, mb):
-            changes.append((e.start, 1, e.device, transient(stage, mb)))
+            changes.append((e.start, 1, n, e.device, transient(stage, mb)))
+        if e.kind in NARROWING_KINDS and left != whole:
+            changes.append((e.end, 0, n, e.device, left - whole))
         if e.kind in RELEASING_KINDS:
-            changes.append((e.end, 0, e.device, -held(stage, mb) - transient(stage, mb)))
+            changes.append((e.end, 0, n, e.device, -(left if (stage, mb) in split else whole)))
     level = [0.0] * n_devices
     samples = [MemorySample(d, 0.0, 0, "counted") for d in range(n_devices)]
-    for time, _, device, delta in sorted(changes):
+    for time, _, _, device, delta in sorted(changes):
         level[device] += delta
         samples.append(MemorySample(device, time, round(level[device]), "counted"))
     return samples

@@ -5,7 +5,8 @@ its list in order; an action starts when its device is free and its inputs have 
 a message across a stage boundary taking latency + bytes / bandwidth.  Deterministic,
 O(actions) plus one sort.  Activation memory follows `pipelab.predict.memory`: +memory_bytes[s]
 when F(s, i) ends, released when stage s is done with micro-batch i (end of its B, or of
-its W when the backward is split), as the local engine measures it.  Each kind of action
+its W when the backward is split: at I's end all but `weight_memory_bytes[s]`, what W needs,
+when the costs give it), as the engines count it.  Each kind of action
 takes the `Costs` field its `KindSpec.cost` names (I: `backward`, the input-gradient half).
 """
 
@@ -62,8 +63,13 @@ def _simulate(schedule: Schedule, costs: Costs | Mapping[Action, float] | None, 
     inputs = [costs.per_stage("input_bytes", s, p) for s in range(p)]
     held = [inputs[s] if recompute[s] else full[s] for s in range(p)]
     transient = [max(full[s] - inputs[s], 0.0) if recompute[s] else 0.0 for s in range(p)]
+    for_w = None
+    if costs.weight_memory_bytes is not None:
+        kept_for_w = [costs.per_stage("weight_memory_bytes", s, p) for s in range(p)]
+        for_w = lambda s, i: kept_for_w[s]  # noqa: E731
     if any(held) or any(transient):
-        memory = activation_samples(events, lambda s, i: held[s], lambda s, i: transient[s], schedule.n_devices)
+        memory = activation_samples(events, lambda s, i: held[s], lambda s, i: transient[s], schedule.n_devices,
+                                    for_w)
     else:  # no memory model: every device holds nothing all along
         memory = [MemorySample(d, 0.0, 0) for d in range(schedule.n_devices)]
     return Trace(events, memory, "simulated", p, schedule.n_microbatches, schedule.n_devices, schedule.name)

@@ -34,7 +34,7 @@ from ..model.token_weights import token_counter
 from ..model.partition import Partition, balanced_bounds, split
 from ..predict.layout import Layout
 from ..predict.memory import activation_samples, checkpoint_plan
-from ..schedules.action import GRADIENT_KINDS, Action, Kind
+from ..schedules.action import GRADIENT_KINDS, NARROWING_KINDS, Action, Kind
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Event, Message, Trace, Wait
 from . import checkpoint, clipping, comm_count, fingerprint
@@ -374,7 +374,8 @@ class DistributedPipeline:
             rows.append([start + offset, end + offset, wait[0] + offset, wait[1] + offset,
                          sent.get(action, math.nan) + offset,
                          worker.saved_bytes[i] if action.kind is Kind.F else math.nan,
-                         worker.recomputed_bytes.get(i, 0) if action.kind in GRADIENT_KINDS else math.nan, float(loss)])
+                         worker.recomputed_bytes.get(i, 0) if action.kind in GRADIENT_KINDS else math.nan,
+                         worker.for_w_bytes[i] if action.kind in NARROWING_KINDS else math.nan, float(loss)])
         return rows
 
     def _place_observed(self, observer: MemoryObserver, clock: ActionClock) -> list[tuple]:
@@ -406,7 +407,8 @@ class DistributedPipeline:
         gradient_kind = self.schedule.gradient_kind
         memory = activation_samples(
             events, lambda s, i: values[Action(Kind.F, s, i)][column["saved_bytes"]],
-            lambda s, i: values[Action(gradient_kind[s], s, i)][column["recomputed_bytes"]], self.schedule.n_devices)
+            lambda s, i: values[Action(gradient_kind[s], s, i)][column["recomputed_bytes"]], self.schedule.n_devices,
+            lambda s, i: values[Action(Kind.I, s, i)][column["for_w_bytes"]])
         # before the first action (receives posted at the start of the step): at the step's start
         observed = [(max(t - origin, 0.0), *rest) for t, *rest in observed]
         memory += observed_samples(observed, self.schedule.n_devices)

@@ -232,7 +232,8 @@ class Pipeline:
         events = [Event(a.kind, a.stage, a.microbatch, start[a], end[a], device_of_stage[a.stage]) for a in self.order]
         workers = self.workers
         memory = activation_samples(events, lambda s, i: workers[s].saved_bytes[i],
-                                    lambda s, i: workers[s].recomputed_bytes.get(i, 0), self.schedule.n_devices)
+                                    lambda s, i: workers[s].recomputed_bytes.get(i, 0), self.schedule.n_devices,
+                                    lambda s, i: workers[s].for_w_bytes[i])
         placed = observer.place(start, end)
         memory += observed_samples(placed, self.schedule.n_devices)
         for event in events:

@@ -74,6 +74,8 @@ class StageWorker:
         self.held: dict[int, stage_ops.Held | stage_ops.HeldForW] = {}  # mb -> what it holds until released
         self.saved_bytes: dict[int, int] = {}  # mb -> bytes held from F to its release ("counted")
         self.recomputed_bytes: dict[int, int] = {}  # mb -> bytes held during its backward only (checkpointed)
+        self.saved_for_i: dict[int, tuple] = {}  # mb -> what its F saved (`SavedTensors.take`), split backward
+        self.for_w_bytes: dict[int, int] = {}  # mb -> bytes held from its I to its W ("counted")
         self.losses: dict[int, torch.Tensor] = {}  # mb -> unweighted loss (last stage)
 
     def compute(self, action: Action, message: Any) -> torch.Tensor | None:
@@ -124,6 +126,8 @@ class StageWorker:
             self.saved_bytes[i] = sum(t.untyped_storage().nbytes() for t in boundary.tensors(inp))
         else:
             self.saved_bytes[i] = self.saved.bytes
+        if self.splits_backward:
+            self.saved_for_i[i] = self.saved.take()
         return None if self.is_last else boundary.detached(output)
 
     def _recomputing(self, i: int) -> stage_ops.Held:
@@ -151,10 +155,14 @@ class StageWorker:
         held = self._recomputing(i)
         gradient, for_w = stage_ops.input_gradient(held, message, self.parameters)
         gradient = self._gradient_to_send(gradient)  # noted while the input is held
-        for recorded in for_w.work.recorded_gradients():
-            self._note(recorded, "gradient")  # held until W
-        self.held[i] = for_w  # from here on, only what W needs
         self.recomputed_bytes[i] = self.saved.bytes
+        recorded = for_w.work.recorded_gradients()
+        for g in recorded:
+            self._note(g, "gradient")  # held until W
+        kept, sizes = self.saved_for_i.pop(i, ([], {}))
+        recomputed, recomputed_sizes = self.saved.take()  # a checkpointed stage's second forward
+        self.for_w_bytes[i] = stage_ops.held_for_w_bytes(for_w, kept + recomputed, {**sizes, **recomputed_sizes})
+        self.held[i] = for_w  # from here on, only what W needs
         return gradient
 
     def _weight_gradient(self, i: int, message: Any) -> None:

@@ -45,12 +45,13 @@ class KindSpec:
     sends: int  # +1: its result goes to the next stage (an activation); -1: to the previous (a gradient); 0: nowhere
     releases: bool  # the stage is done with the micro-batch once it has run
     cost: str  # the `Costs` field that times it
+    leaves_for_w: bool = False  # once it has run, the micro-batch keeps only what its W needs (I)
 
 
 KIND_SPECS: dict[Kind, KindSpec] = {
     Kind.F: KindSpec("forward", ((Kind.F, -1),), +1, False, "forward"),
     Kind.B: KindSpec("backward", ((Kind.F, 0), (GRADIENT, +1)), -1, True, "backward"),
-    Kind.I: KindSpec("input gradient", ((Kind.F, 0), (GRADIENT, +1)), -1, False, "backward"),
+    Kind.I: KindSpec("input gradient", ((Kind.F, 0), (GRADIENT, +1)), -1, False, "backward", leaves_for_w=True),
     Kind.W: KindSpec("weight gradient", ((Kind.I, 0),), 0, True, "weight"),
 }
 """F(s, i) needs F(s-1, i); B(s, i) and I(s, i) need F(s, i) and the gradient stage s+1 sends back
@@ -61,6 +62,7 @@ KINDS = tuple(KIND_SPECS)
 NEEDS = {kind: spec.needs for kind, spec in KIND_SPECS.items()}
 GRADIENT_KINDS = frozenset(kind for kind, spec in KIND_SPECS.items() if spec.sends < 0)  # B, I: start a backward
 RELEASING_KINDS = frozenset(kind for kind, spec in KIND_SPECS.items() if spec.releases)  # B, W: end a micro-batch
+NARROWING_KINDS = frozenset(kind for kind, spec in KIND_SPECS.items() if spec.leaves_for_w)  # I: keep W's part only
 _ACTION_RE = re.compile(r"^(\d+)?([" + "".join(KINDS) + r"])(\d+)$")
 
 

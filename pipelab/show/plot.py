@@ -29,6 +29,8 @@ from .plot_style import (  # noqa: F401
     NAMES,
     WAIT,
     check_trace,
+    chunk_shade,
+    chunks_of,
     counted,
     devices_named,
     distinct_colors,
@@ -92,12 +94,15 @@ def _draw(ax, trace: Trace, scale: float, label_microbatches: bool = True) -> No
                             facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0))
     # white separators between neighbouring actions, unless the bars are too thin for them to show
     separator = 0.6 if len(trace.events) <= 64 * max(trace.n_devices, 1) else 0.0
+    chunk = chunks_of(trace)  # several stages on a device: each its own shade
     for kind in COLORS:
-        chosen = [e for e in trace.events if e.kind == kind]
-        if chosen:
-            table = np.array([(e.start - origin, e.duration, e.device) for e in chosen], dtype=float)
-            boxes = _boxes(table[:, 0] * scale, table[:, 1] * scale, table[:, 2])
-            ax.add_artist(PathPatch(boxes, facecolor=COLORS[kind], edgecolor="white", linewidth=separator))
+        for k in sorted(set(chunk.values())):
+            chosen = [e for e in trace.events if e.kind == kind and chunk[e.stage] == k]
+            if chosen:
+                table = np.array([(e.start - origin, e.duration, e.device) for e in chosen], dtype=float)
+                boxes = _boxes(table[:, 0] * scale, table[:, 1] * scale, table[:, 2])
+                ax.add_artist(PathPatch(boxes, facecolor=chunk_shade(COLORS[kind], k), edgecolor="white",
+                                        linewidth=separator))
     if label_microbatches and span > 0:
         _microbatch_numbers(ax, trace, origin, scale, span)
     _draw_communication(ax, trace, origin, scale)
@@ -165,6 +170,9 @@ def _boxes(lefts: np.ndarray, widths: np.ndarray, rows: np.ndarray) -> Path:
 def _legend(ax, events, n_rows: int, communication: bool = False) -> None:
     kinds = [kind for kind in COLORS if any(e.kind == kind for e in events)]
     handles = [Patch(color=COLORS[k], label=NAMES[k]) for k in kinds]
+    on_device = {(e.device, e.stage) for e in events}
+    if len(on_device) > len({device for device, _ in on_device}):  # some device runs several stages
+        handles.append(Patch(color=chunk_shade(COLORS["F"], 1), label="darker: a device's 2nd stage (chunk)"))
     handles.append(Patch(facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", label="idle (bubble)"))
     if communication:
         handles.append(Patch(color=WAIT, label="waiting for a message"))

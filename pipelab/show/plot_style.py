@@ -25,6 +25,27 @@ WAIT = "#555555"  # waiting for a message (distributed engine)
 MESSAGE = "#B03060"  # an activation or gradient in flight
 
 
+def chunk_shade(color: str, chunk: int) -> tuple:
+    """`color` for a device's first chunk (stage), darker for its second, lighter for a third, and so on (a
+    device of an interleaved or V-shaped schedule runs several stages; Megatron-LM's interleaving figure
+    shades them apart the same way)."""
+    from matplotlib.colors import to_rgb
+
+    rgb = to_rgb(color)
+    if chunk == 0:
+        return rgb
+    toward, amount = ((0.0, 0.0, 0.0), 0.4) if chunk % 2 else ((1.0, 1.0, 1.0), min(0.25 * chunk / 2 + 0.2, 0.6))
+    return tuple(c + (t - c) * amount for c, t in zip(rgb, toward))
+
+
+def chunks_of(trace: Trace) -> dict[int, int]:
+    """{stage: its index among the stages of its device, in stage order} (0 everywhere for one stage per device)."""
+    on_device: dict[int, set[int]] = {}
+    for e in trace.events:
+        on_device.setdefault(e.device, set()).add(e.stage)
+    return {stage: k for stages in on_device.values() for k, stage in enumerate(sorted(stages))}
+
+
 def distinct_colors(n: int) -> list:
     """n colours, no two alike: tab10 up to 10, tab20 up to 20, then evenly spaced on viridis
     (matplotlib's default cycle repeats after 10, so device 10 would look like device 0)."""

@@ -63,13 +63,12 @@ def draw(table, n_stages) -> str:
     return "\n".join(lines)
 
 
-def assert_well_formed(table, n_stages, n_microbatches, function="gpipe_schedule"):
-    """One row per device, a list of (str, int, int) tuples; row d runs F and B of every
-    micro-batch through stage d, each once."""
-    call = f"{function}({n_stages}, {n_microbatches})"
+def assert_rows_of_tuples(table, n_devices, function, call):
+    """A list of ``n_devices`` rows, each a list of (str, int, int) tuples: the very types,
+    so a list ``["F", 0, 1]``, a namedtuple or a numpy int fails (each passes ``==``)."""
     types = f"{function} returns a list of rows, each a list of (str, int, int) tuples"
     assert_type(table, list, types, f"{call}'s result")
-    assert len(table) == n_stages, (
+    assert len(table) == n_devices, (
         f"{function} returns one row per device\n{call} returned {len(table)} rows"
     )
     for device, row in enumerate(table):
@@ -79,6 +78,14 @@ def assert_well_formed(table, n_stages, n_microbatches, function="gpipe_schedule
             assert len(action) == 3, f"{types}\n{call}: row {device} holds {action!r}"
             for value, kind in zip(action, (str, int, int)):
                 assert_type(value, kind, types, f"{call}: in row {device}, the action {action!r}")
+
+
+def assert_well_formed(table, n_stages, n_microbatches, function="gpipe_schedule"):
+    """One row per device, a list of (str, int, int) tuples; row d runs F and B of every
+    micro-batch through stage d, each once."""
+    call = f"{function}({n_stages}, {n_microbatches})"
+    assert_rows_of_tuples(table, n_stages, function, call)
+    for device, row in enumerate(table):
         expected = {(kind, device, mb) for kind in "FB" for mb in range(n_microbatches)}
         actions = [tuple(action) for action in row]
         assert len(actions) == len(set(actions)) == len(expected) and set(actions) == expected, (
@@ -96,17 +103,19 @@ def assert_table(table, expected, n_stages, n_microbatches, function, clause):
     )
 
 
-def assert_new_table_at_each_call(schedule, function):
-    """Changing the table one call returned leaves the next call's table as it should be."""
-    first = schedule(3, 4)
+def assert_new_table_at_each_call(schedule, function, args=(3, 4)):
+    """Changing the table one call returned leaves the next call's table as it should be
+    (an answer that keeps its tables in a cache, or in a module-level list, fails)."""
+    call = f"{function}({', '.join(map(str, args))})"
+    first = schedule(*args)
     expected = [list(row) for row in first]
     first[0].append(("F", 0, 99))
     first[1].clear()
     first.append([])
-    again = schedule(3, 4)
+    again = schedule(*args)
     assert again == expected, (
         f"{function} returns a new table at each call (the caller may change it)\n"
-        f"after the caller changed the table {function}(3, 4) returned, the next call returned {again}"
+        f"after the caller changed the table {call} returned, the next call returned {again}"
     )
 
 

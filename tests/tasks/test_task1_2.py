@@ -5,7 +5,8 @@ Besides the rows, every answer is checked for what ``==`` and ``torch.equal`` do
 container types, the dtype of every tensor (float64, bfloat16 and int64 as well as
 float32), that gradients still flow back to a batch that requires grad, that a
 non-tensor leaf is the caller's very object (a mutable one, like ``object()``, shows a
-copy), and that the batch and the chunks are left unchanged.
+copy), and that the batch and the chunks are left unchanged.  Where the chunks given to merge
+hold different non-tensor leaves, the first chunk's leaf is the one merged.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ SAME_OBJECT = "split and merge pass every non-tensor leaf on as the same object,
 DTYPE = "split and merge keep each tensor's dtype"
 GRADIENT = "gradients flow back through split and merge to the tensors they were given"
 ROUND_TRIP = "merge(split(batch, n)) equals batch"
+FIRST_WINS = "where the chunks' non-tensor leaves differ, merge takes the first chunk's leaf"
 
 
 class Opaque:
@@ -189,6 +191,22 @@ def test_merge_concatenates_stage_outputs(impl):
     merged = impl("microbatch").merge(outputs)
     assert_unchanged(before, outputs, "the chunks", "merge(chunks)")
     assert_same(merged, torch.arange(5.0).reshape(5, 1), "merge(outputs)", "merge joins tensor leaves with torch.cat(..., dim=0)")
+
+
+def test_merge_takes_the_first_chunks_leaf_where_they_differ(impl):
+    tags = [Opaque(), Opaque(), Opaque()]
+    chunks = [
+        {"x": torch.arange(2.0), "rows": 2, "meta": (tags[0], ["a", None]), "y": [torch.zeros(2, 1, dtype=torch.int64)]},
+        {"x": torch.arange(2.0, 4.0), "rows": 2, "meta": (tags[1], ["b", 7]), "y": [torch.ones(2, 1, dtype=torch.int64)]},
+        {"x": torch.arange(4.0, 5.0), "rows": 1, "meta": (tags[2], ["c", 8]), "y": [torch.ones(1, 1, dtype=torch.int64)]},
+    ]
+    before = picture(chunks)
+    merged = impl("microbatch").merge(chunks)
+    assert_unchanged(before, chunks, "the chunks", "merge(chunks)")
+    expected = {"x": torch.arange(5.0), "rows": 2, "meta": (tags[0], ["a", None]),
+                "y": [torch.tensor([[0], [0], [1], [1], [1]])]}
+    assert_same(merged, expected, "merge(chunks)", FIRST_WINS)
+    assert merged["meta"][0] is tags[0], f"{FIRST_WINS}\nmerge(chunks)['meta'][0] is not chunk 0's object"
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,9 @@ References written out here: the drawing of p=2, m=4, v=2 (the docstring's), che
 unit-time run of the dependencies (``beyond_tables.run``); Megatron's closed forms for
 every p <= 5, v <= 3, m in {p, 2p, 3p}: the bubble (p - 1)/(v m) of the ideal time when a
 chunk costs 1/v of a stage, and the peak of min(v p + p - 1, v m) chunk-micro-batches on
-device 0; v = 1 is 1F1B.
+device 0; v = 1 is 1F1B.  And what ``==`` does not see: each action a (str, int, int) tuple
+(not a list), a new table at each call, ValueError for every count below 1 (zero or negative)
+and for m not a multiple of p at every chunk count, v = 1 included.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import pytest
 
 from beyond_tables import cells, draw, peak_held, run
-from schedule_tables import one_f_one_b_table
+from schedule_tables import assert_new_table_at_each_call, assert_rows_of_tuples, one_f_one_b_table
 
 pytestmark = pytest.mark.task5_1
 
@@ -76,3 +78,36 @@ def test_microbatches_not_a_multiple_of_devices_are_refused(impl):
         schedule(impl, 4, 6, 2)
     with pytest.raises(ValueError):
         schedule(impl, 4, 8, 0)
+
+
+def test_actions_are_tuples_of_a_str_and_two_ints(impl):
+    for p, m, v in [(1, 1, 1), (2, 4, 2), (3, 6, 3), (4, 4, 1)]:
+        assert_rows_of_tuples(schedule(impl, p, m, v), p, "interleaved_1f1b_schedule",
+                              f"interleaved_1f1b_schedule({p}, {m}, {v})")
+
+
+def test_a_new_table_at_each_call(impl):
+    assert_new_table_at_each_call(lambda p, m, v: schedule(impl, p, m, v), "interleaved_1f1b_schedule", (2, 4, 2))
+    assert_new_table_at_each_call(lambda p, m, v: schedule(impl, p, m, v), "interleaved_1f1b_schedule", (3, 3, 1))
+
+
+@pytest.mark.parametrize("counts", [
+    (0, 4, 2), (-1, 4, 2), (-4, 8, 2),  # n_devices
+    (4, 0, 2), (4, -4, 2), (2, -2, 1),  # n_microbatches (multiples of n_devices)
+    (4, 8, -1), (2, 4, -2), (1, 1, 0),  # n_chunks
+], ids=lambda counts: "p={},m={},v={}".format(*counts))
+def test_every_count_below_1_is_refused(impl, counts):
+    with pytest.raises(ValueError):
+        table = schedule(impl, *counts)
+        pytest.fail(f"interleaved_1f1b_schedule raises ValueError if a count is below 1 (zero or negative)\n"
+                    f"interleaved_1f1b_schedule{counts} returned {table}")
+
+
+@pytest.mark.parametrize("n_chunks", [1, 2, 3, 4])
+def test_microbatches_not_a_multiple_of_devices_are_refused_at_every_chunk_count(impl, n_chunks):
+    for p, m in [(4, 6), (2, 3), (3, 4), (4, 2), (3, 1)]:
+        with pytest.raises(ValueError):
+            table = schedule(impl, p, m, n_chunks)
+            pytest.fail(f"interleaved_1f1b_schedule raises ValueError if n_microbatches is not a multiple of "
+                        f"n_devices, whatever n_chunks (v = 1 included)\n"
+                        f"interleaved_1f1b_schedule({p}, {m}, {n_chunks}) returned {table}")

@@ -3,7 +3,9 @@
 References written out here: PipeDream's closed forms on 1F1B's order (``schedule_tables``):
 F(s, i) and B(s, i) use version max(0, i - (p - s - 1)) with an update after each
 backward; p - s versions held on stage s once m >= 2p - 1; small hand-made tables
-(update_every = 2, a stage whose backwards come late, several stages on one device).
+(update_every = 2, a stage whose backwards come late, several stages on one device, also with
+update_every = 2 and their backwards and forwards interleaved); ValueError for update_every
+zero or negative.
 """
 
 from __future__ import annotations
@@ -69,6 +71,39 @@ def test_several_stages_on_one_device_count_their_own_updates(impl):
     assert versions[("F", 1, 1)] == 1 and versions[("F", 0, 1)] == versions[("B", 0, 1)] == 0, (
         "stage 1's update after B(1, 0) moves stage 1's weights only")
     assert module(impl).versions_in_flight(table) == [2, 1]
+
+
+def test_several_stages_on_one_device_each_count_their_own_backwards(impl):
+    # Stages 0 and 1 on one device, two micro-batches in flight, an update after every
+    # second B of a stage.  B(1, 0) and B(0, 0) come before F(0, 2): each is its stage's
+    # first B, so no update yet and F(0, 2) runs on 0 (counting B's per device would
+    # update stage 0 at B(0, 0)).  After B(1, 1) and B(0, 1) each stage updates once:
+    # F(0, 3) and F(1, 3) run on 1 (one live version per device would give F(0, 3) 2).
+    table = [[("F", 0, 0), ("F", 1, 0), ("F", 0, 1), ("F", 1, 1), ("B", 1, 0), ("B", 0, 0),
+              ("F", 0, 2), ("F", 1, 2), ("B", 1, 1), ("B", 0, 1),
+              ("F", 0, 3), ("F", 1, 3), ("B", 1, 2), ("B", 0, 2), ("B", 1, 3), ("B", 0, 3)]]
+    before = copy.deepcopy(table)
+    versions = module(impl).weight_versions(table, update_every=2)
+    expected = {(kind, s, i): int(i == 3) for kind in "FB" for s in range(2) for i in range(4)}
+    assert versions == expected, (
+        "each stage counts its own backwards and moves its own live weights (several stages on one device)\n"
+        f"update_every=2 on the table {table}\ngave {versions}\nexpected {expected}")
+    found = module(impl).versions_in_flight(table, update_every=2)
+    assert found == [2, 2], (
+        "each stage counts its own backwards and moves its own live weights (several stages on one device)\n"
+        f"versions_in_flight(table, update_every=2) is {found}: after B(s, 1) and before F(s, 3), stage s "
+        "holds the version 0 of F(s, 2) and its live weights, version 1: [2, 2]")
+    assert table == before, "the table must not be changed"
+
+
+@pytest.mark.parametrize("update_every", [0, -1, -2])
+def test_update_every_below_1_is_refused(impl, update_every):
+    table = one_f_one_b_table(2, 4)
+    for function in ("weight_versions", "versions_in_flight"):
+        with pytest.raises(ValueError):
+            found = getattr(module(impl), function)(table, update_every)
+            pytest.fail(f"weight_versions raises ValueError if update_every < 1 (zero or negative)\n"
+                        f"{function}(1F1B(2, 4), update_every={update_every}) returned {found}")
 
 
 def test_p_minus_s_versions_held_in_the_steady_state(impl):

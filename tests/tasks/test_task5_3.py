@@ -4,7 +4,10 @@ References written out here: the docstring's drawing of p=4, m=8 (unit-time run 
 dependencies, ``beyond_tables.run``), and for p <= 6, m <= 12 the properties: each action
 once; W after its B; without the W's the table is 1F1B; the idle time per stage is
 Zero Bubble PP's (p - 1)(T_F + T_B - T_W) for several T_F, T_B, T_W (m >= p); no stage
-holds more than min(p, m) micro-batches (a micro-batch leaves at its W).
+holds more than min(p, m) micro-batches (a micro-batch leaves at its W).  The rows of cases with
+m < p written out (the W's still deferred by s there, where the idle-time formula says nothing);
+and what ``==`` does not see: each action a (str, int, int) tuple (not a list), a new table at
+each call, ValueError for every count below 1 (zero or negative).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import math
 import pytest
 
 from beyond_tables import cells, draw, peak_held, run
-from schedule_tables import one_f_one_b_table
+from schedule_tables import assert_new_table_at_each_call, assert_rows_of_tuples, one_f_one_b_table, rows_of
 
 pytestmark = pytest.mark.task5_3
 
@@ -79,3 +82,55 @@ def test_bad_counts(impl):
         schedule(impl, 0, 4)
     with pytest.raises(ValueError):
         schedule(impl, 4, 0)
+
+
+# Each stage's list in order (not a drawing in time): stage s defers its W's by s backwards,
+# also when m < p cuts its warm-up w = min(p - s - 1, m) short (a delay of p - 1 - w is not ZB-H1's).
+FEWER_MICROBATCHES_THAN_STAGES = {
+    (4, 2): """
+        stage 0 | F0 F1 B0 W0 B1 W1
+        stage 1 | F0 F1 B0 B1 W0 W1
+        stage 2 | F0 F1 B0 B1 W0 W1
+        stage 3 | F0 B0 F1 B1 W0 W1
+    """,
+    (5, 3): """
+        stage 0 | F0 F1 F2 B0 W0 B1 W1 B2 W2
+        stage 1 | F0 F1 F2 B0 B1 W0 B2 W1 W2
+        stage 2 | F0 F1 F2 B0 B1 B2 W0 W1 W2
+        stage 3 | F0 F1 B0 F2 B1 B2 W0 W1 W2
+        stage 4 | F0 B0 F1 B1 F2 B2 W0 W1 W2
+    """,
+    (3, 1): """
+        stage 0 | F0 B0 W0
+        stage 1 | F0 B0 W0
+        stage 2 | F0 B0 W0
+    """,
+}
+
+
+@pytest.mark.parametrize(("p", "m"), list(FEWER_MICROBATCHES_THAN_STAGES), ids=lambda n: str(n))
+def test_fewer_microbatches_than_stages_rows(impl, p, m):
+    expected = rows_of(FEWER_MICROBATCHES_THAN_STAGES[(p, m)])
+    table = schedule(impl, p, m)
+    assert table == expected, (
+        f"stage s's first s backwards are not followed by a W, also when m < p\n"
+        f"zero_bubble_h1_schedule({p}, {m}) returned\n  {table}\nexpected\n  {expected}")
+
+
+def test_actions_are_tuples_of_a_str_and_two_ints(impl):
+    for p, m in [(1, 1), (2, 3), (4, 8), (4, 2)]:
+        assert_rows_of_tuples(schedule(impl, p, m), p, "zero_bubble_h1_schedule", f"zero_bubble_h1_schedule({p}, {m})")
+
+
+def test_a_new_table_at_each_call(impl):
+    assert_new_table_at_each_call(lambda p, m: schedule(impl, p, m), "zero_bubble_h1_schedule", (3, 4))
+    assert_new_table_at_each_call(lambda p, m: schedule(impl, p, m), "zero_bubble_h1_schedule", (2, 1))
+
+
+@pytest.mark.parametrize("counts", [(0, 4), (-1, 4), (-3, 2), (4, 0), (4, -1), (1, -5), (0, 0), (-2, -2)],
+                         ids=lambda counts: "p={},m={}".format(*counts))
+def test_every_count_below_1_is_refused(impl, counts):
+    with pytest.raises(ValueError):
+        table = schedule(impl, *counts)
+        pytest.fail(f"zero_bubble_h1_schedule raises ValueError if n_stages < 1 or n_microbatches < 1 (zero or "
+                    f"negative)\nzero_bubble_h1_schedule{counts} returned {table}")
