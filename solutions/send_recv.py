@@ -14,6 +14,9 @@ is tagged with its micro-batch index k, so that it can never land in the buffer 
 another micro-batch.  (Not ``dist.batch_isend_irecv``: on gloo it has no stable
 implementation and can hang, pytorch/PiPPy#1130.)
 
+The world may hold more ranks than these two, which send messages of their own, with the
+same tags: each receive names its source (``src=peer``), or it may take another rank's.
+
 Both ranks know every message's shape before it is sent: ``activation_shapes[k]`` is the
 shape of micro-batch k's activation, and its gradient has the same shape.  So a receive
 can be posted before its message exists, into a buffer of the right size.
@@ -38,7 +41,8 @@ def post_receives(shapes: list[tuple[int, ...]], peer: int) -> list[tuple[Tensor
 
     For micro-batch k: a float32 buffer ``torch.empty(shapes[k])`` and
     ``dist.irecv(buffer, src=peer, tag=k)``.  ``irecv`` returns at once; the message is
-    in the buffer after ``work.wait()``.
+    in the buffer after ``work.wait()``.  From ``peer`` only: another rank of the world
+    may send with the same tags, and a receive without ``src`` takes whichever comes first.
 
     Returns:
         ``[(buffer_k, work_k), ...]``, in micro-batch order k = 0 .. m-1.
@@ -59,9 +63,12 @@ def first_stage_step(stage: nn.Module, microbatches: list[Tensor], activation_sh
        with ``dist.isend(..., dst=1, tag=k)`` (no waiting: keep its work);
     3. for k = m-1 .. 0: wait for gradient k, then ``output_k.backward(gradient_k)``
        (the stage's ``.grad`` add up over the micro-batches);
-    4. wait for every send (a tensor must stay alive until its send has completed).
+    4. wait for every send (a tensor must stay alive until its send has completed):
+       ``work.wait()`` on each work ``dist.isend`` returned, before returning.
 
-    ``activation_shapes[k]`` is ``output_k``'s shape; the inputs are not modified.
+    ``activation_shapes[k]`` is ``output_k``'s shape; the inputs are not modified: the
+    micro-batches keep their ``requires_grad`` and get no ``.grad`` (they are not made leaves
+    of this step; only the stage's parameters get gradients).
 
     Returns:
         None: the result is in the stage's parameters' ``.grad``.
@@ -99,9 +106,11 @@ def last_stage_step(
 
     3. for k = m-1 .. 0: ``loss_k.backward()``, then send ``leaf_k.grad`` (dLoss/d
        activation k) with ``dist.isend(..., dst=0, tag=k)``;
-    4. wait for every send.
+    4. wait for every send: ``work.wait()`` on each work ``dist.isend`` returned, before
+       returning.
 
-    ``activation_shapes[k]`` is the shape of activation k; the inputs are not modified.
+    ``activation_shapes[k]`` is the shape of activation k; the inputs are not modified: the
+    targets keep their ``requires_grad`` and get no ``.grad``.
 
     Returns:
         the batch's loss, sum_k loss_k, detached: a 0-dim tensor.

@@ -20,6 +20,14 @@ The two communications are two tiny autograd Functions, Megatron's f and g:
 so column_parallel(x) = f(x) W_rᵀ + b_r and row_parallel(x_r) = g(x_r W_rᵀ) + b.  A
 column-parallel layer followed by a row-parallel one (an MLP: fc1, GELU, fc2) needs one
 all-reduce forward and one backward, and the activation between them stays split.
+
+Both sum over the group they are given, and only over it: with tensor parallelism inside
+a pipeline or beside data parallelism, the world holds several tensor-parallel groups
+(``dist.new_group``), and an all-reduce over the default group would mix them.  f's
+backward keeps its group from the forward (in ``ctx``).  Neither changes a tensor its
+caller still holds: ``dist.all_reduce`` works in place, so each reduces a copy (g's
+input; the gradient f's backward is handed, which autograd may pass to another path as
+well, as in a residual f(x) + x).
 """
 
 from __future__ import annotations
@@ -30,7 +38,11 @@ from torch import Tensor
 
 
 class CopyToParallelRegion(torch.autograd.Function):
-    """f: identity forward; backward, the sum over the group of the incoming gradients (all-reduce)."""
+    """f: identity forward; backward, the sum over the group of the incoming gradients (all-reduce).
+
+    Over ``group`` only (kept in ``ctx`` for the backward); the incoming gradient is not
+    changed in place (a residual f(x) + x hands the same tensor to x's other path).
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, group) -> Tensor:
@@ -45,7 +57,10 @@ class CopyToParallelRegion(torch.autograd.Function):
 
 
 class ReduceFromParallelRegion(torch.autograd.Function):
-    """g: forward, the sum over the group (all-reduce); backward identity."""
+    """g: forward, the sum over the group (all-reduce); backward identity.
+
+    Over ``group`` only; the input is not changed in place (the caller may still hold it).
+    """
 
     @staticmethod
     def forward(ctx, x: Tensor, group) -> Tensor:
@@ -65,7 +80,8 @@ def column_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group
         x: the whole input (batch..., in), the same on every rank of `group`.
         weight: this rank's rows of W, (out / t, in).
         bias: this rank's slice of b, (out / t,), or None.
-        group: the tensor-parallel process group (None: the whole world).
+        group: the tensor-parallel process group (None: the whole world); every all-reduce
+            runs over it, and only over it.
 
     Returns:
         (batch..., out / t): features r·out/t .. (r+1)·out/t − 1 of x Wᵀ + b.
@@ -81,7 +97,8 @@ def row_parallel_linear(x: Tensor, weight: Tensor, bias: Tensor | None, group=No
         x: this rank's slice of the input features, (batch..., in / t).
         weight: this rank's columns of W, (out, in / t).
         bias: the whole b, (out,), the same on every rank (added once, after the sum), or None.
-        group: the tensor-parallel process group (None: the whole world).
+        group: the tensor-parallel process group (None: the whole world); every all-reduce
+            runs over it, and only over it.
 
     Returns:
         (batch..., out): x Wᵀ + b of the whole input, on every rank.

@@ -11,7 +11,15 @@ for the row-parallel one) and runs the learner's layer; the reference is plain
 - the row-parallel layer alone: its output is the whole x Wᵀ + b on every rank (the
   all-reduce of the forward, b added once), and the gradients are the reference's slices;
 - fc1 column-parallel, GELU, fc2 row-parallel (an MLP): output, loss and every gradient;
-- both layers with bias=None: the same outputs, without b.
+- both layers with bias=None: the same outputs, without b;
+- each rank in a group of its own (`dist.new_group([r])`, passed as `group=`): both layers
+  whole, as on one device, and f and g the identity; an all-reduce over the default group
+  would add the other rank's tensors;
+- f and g called directly, on tensors that differ per rank: f the identity forward and the
+  sum backward, g the sum forward and the identity backward; neither changes a tensor its
+  caller still holds (its input, the gradient given to backward), as an all-reduce in place
+  would; and a residual f(x) + x, where autograd hands the same gradient to both paths of
+  the +, gets x.grad = sum of the gradients + this rank's own.
 
 One launch per implementation runs every case (`two_ranks`); while a function is still a
 stub, no rank is started.  A deadlock is stopped by the wait timeout and reported as one.
@@ -56,23 +64,16 @@ def leaf(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().clone().requires_grad_(True)
 
 
-def on_each_rank(column_parallel_linear, row_parallel_linear) -> dict:
-    """Every case on this rank: outputs and gradients, as plain tensors."""
+def on_each_rank(column_parallel_linear, row_parallel_linear, f, g) -> dict:
+    """Every case on this rank: outputs and gradients, as plain tensors (f and g are the
+    learner's two Functions, called alone too)."""
     rank, t = dist.get_rank(), dist.get_world_size()
+    groups = [dist.new_group([r]) for r in range(t)]  # every rank makes every group, in the same order
     found = {}
     for case in CASES:
         v = tensors(case)
         rows = slice(rank * HIDDEN // t, (rank + 1) * HIDDEN // t)  # this rank's hidden features
-        # column-parallel alone: loss = sum over ranks of <y_r, c1_r>
-        x, w, b = leaf(v["x"]), leaf(v["w1"][rows]), leaf(v["b1"][rows])
-        y = column_parallel_linear(x, w, b)
-        (y * v["c1"][..., rows]).sum().backward()
-        column = {"y": y.detach(), "x": x.grad, "w": w.grad, "b": b.grad}
-        # row-parallel alone: loss = <y, c2>, the same on every rank
-        h, w, b = leaf(v["h"][..., rows]), leaf(v["w2"][:, rows]), leaf(v["b2"])
-        y = row_parallel_linear(h, w, b)
-        (y * v["c2"]).sum().backward()
-        row = {"y": y.detach(), "h": h.grad, "w": w.grad, "b": b.grad}
+        column, row = layers_alone(column_parallel_linear, row_parallel_linear, v, rows)
         # an MLP: fc1 column-parallel, GELU, fc2 row-parallel
         x, w1, b1 = leaf(v["x"]), leaf(v["w1"][rows]), leaf(v["b1"][rows])
         w2, b2 = leaf(v["w2"][:, rows]), leaf(v["b2"])
@@ -84,7 +85,57 @@ def on_each_rank(column_parallel_linear, row_parallel_linear) -> dict:
         # bias=None: the outputs of both layers without b
         no_bias = {"column": column_parallel_linear(v["x"], v["w1"][rows], None).detach(),
                    "row": row_parallel_linear(v["h"][..., rows], v["w2"][:, rows], None).detach()}
-        found[case] = {"column": column, "row": row, "mlp": mlp, "no bias": no_bias, "rows": (rows.start, rows.stop)}
+        # f and g alone, over the world; then everything in a group of one rank (this rank's
+        # own): the layers are whole, and no all-reduce may mix in the other rank
+        alone = groups[rank]
+        column_alone, row_alone = layers_alone(column_parallel_linear, row_parallel_linear, v, slice(0, HIDDEN),
+                                               group=alone)
+        found[case] = {"column": column, "row": row, "mlp": mlp, "no bias": no_bias, "rows": (rows.start, rows.stop),
+                       "f and g": f_and_g_alone(f, g, v, rank, group=None),
+                       "group of one": {"column": column_alone, "row": row_alone,
+                                        "f and g": f_and_g_alone(f, g, v, rank, group=alone)}}
+    return found
+
+
+def layers_alone(column_parallel_linear, row_parallel_linear, v: dict, rows: slice, **group) -> tuple[dict, dict]:
+    """Each layer alone on this rank's shard (``rows`` of the hidden features): output and gradients."""
+    # column-parallel alone: loss = sum over ranks of <y_r, c1_r>
+    x, w, b = leaf(v["x"]), leaf(v["w1"][rows]), leaf(v["b1"][rows])
+    y = column_parallel_linear(x, w, b, **group)
+    (y * v["c1"][..., rows]).sum().backward()
+    column = {"y": y.detach(), "x": x.grad, "w": w.grad, "b": b.grad}
+    # row-parallel alone: loss = <y, c2>, the same on every rank
+    h, w, b = leaf(v["h"][..., rows]), leaf(v["w2"][:, rows]), leaf(v["b2"])
+    y = row_parallel_linear(h, w, b, **group)
+    (y * v["c2"]).sum().backward()
+    row = {"y": y.detach(), "h": h.grad, "w": w.grad, "b": b.grad}
+    return column, row
+
+
+def f_and_g_alone(f, g, v: dict, rank: int, group) -> dict:
+    """f and g called directly on tensors the caller keeps, rank r's scaled by r + 1 (so that
+    a sum over the ranks differs from any one of them): each output, each input's gradient,
+    and the caller's tensors (input, and the gradient given to backward) afterwards."""
+    scale = rank + 1
+    found = {}
+    # g on an input that requires grad, then backward with the caller's gradient
+    x, gradient = leaf(v["h"] * scale), v["c1"] * scale
+    y = g.apply(x, group)
+    y.backward(gradient)
+    found["g"] = {"y": y.detach(), "x.grad": x.grad, "x after": x.detach().clone(), "gradient after": gradient}
+    # g on an input that does not require grad
+    x = v["h"] * scale
+    found["g, no grad"] = {"y": g.apply(x, group), "x after": x}
+    # f, then backward with the caller's gradient
+    x, gradient = leaf(v["h"]), v["c1"] * scale
+    y = f.apply(x, group)
+    y.backward(gradient)
+    found["f"] = {"y": y.detach(), "x.grad": x.grad, "x after": x.detach().clone(), "gradient after": gradient}
+    # a residual: z = f(x) + x, loss <z, c1·(r + 1)>; the gradient of z (a tensor of
+    # autograd's own, not the caller's) reaches x along both paths of the +
+    x = leaf(v["h"])
+    ((f.apply(x, group) + x) * (v["c1"] * scale)).sum().backward()
+    found["f(x) + x"] = {"x.grad": x.grad}
     return found
 
 
@@ -111,7 +162,8 @@ def two_ranks(impl):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     try:
         return pl.distributed.launch(on_each_rank, RANKS, learner.column_parallel_linear,
-                                     learner.row_parallel_linear, timeout_seconds=DEADLINE_SECONDS,
+                                     learner.row_parallel_linear, learner.CopyToParallelRegion,
+                                     learner.ReduceFromParallelRegion, timeout_seconds=DEADLINE_SECONDS,
                                      wait_timeout_seconds=WAIT_SECONDS)
     except pl.DistributedError as error:
         return error
@@ -204,3 +256,88 @@ def test_without_a_bias(two_ranks, case):
                                                                      "with bias=None should be this rank's slice of x Wᵀ")
         close(seen["row"], F.linear(v["h"], v["w2"]), f"{case}, rank {rank}: row_parallel_linear with bias=None "
                                                       "should be the whole x Wᵀ")
+
+
+def expected_f_and_g(case: str, rank: int, members: range) -> dict:
+    """What f_and_g_alone should find on ``rank`` in a group of ``members``: rank r's input
+    and gradient are h·(r + 1) and c1·(r + 1), so a sum over the group is that times
+    sum(r + 1 for r in members)."""
+    v = tensors(case)
+    scale, total = rank + 1, sum(r + 1 for r in members)
+    return {"g": {"y": v["h"] * total, "x.grad": v["c1"] * scale, "x after": v["h"] * scale,
+                  "gradient after": v["c1"] * scale},
+            "g, no grad": {"y": v["h"] * total, "x after": v["h"] * scale},
+            "f": {"y": v["h"], "x.grad": v["c1"] * total, "x after": v["h"], "gradient after": v["c1"] * scale},
+            "f(x) + x": {"x.grad": v["c1"] * total + v["c1"] * scale}}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_group_passed_in_is_the_one_used(two_ranks, case):
+    """Each rank in a group of its own (dist.new_group([r])): its layers hold the whole W and
+    b, and every all-reduce is over that rank alone.  One over the default group would add
+    the other rank's tensors."""
+    clause = "the all-reduces run over the group passed in, not the whole world"
+    expected = reference_layers(case)
+    for rank, found in enumerate(results(two_ranks)):
+        seen = found[case]["group of one"]
+        where = f"{case}, rank {rank}, in a group of one rank (group=dist.new_group([{rank}]))"
+        for layer, names in (("column", ("y", "x", "w", "b")), ("row", ("y", "h", "w", "b"))):
+            for name in names:
+                what = "output" if name == "y" else f"gradient of {name}"
+                close(seen[layer][name], expected[layer][name],
+                      f"{clause}\n{where}: {layer}_parallel_linear's {what} should be the whole layer's, as on one "
+                      "device (was an all-reduce run over the default group, the whole world?)")
+        wanted = expected_f_and_g(case, rank, range(rank, rank + 1))
+        for function, name in (("g", "y"), ("g", "x.grad"), ("f", "y"), ("f", "x.grad")):
+            what = "output" if name == "y" else "input's gradient"
+            close(seen["f and g"][function][name], wanted[function][name],
+                  f"{clause}\n{where}: {function}'s {what} (was an all-reduce run over the default group, or "
+                  "over a group not kept for the backward?)")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_f_and_g_alone(two_ranks, case):
+    """f and g called directly, rank r's tensors scaled by r + 1: f is the identity forward
+    and sums the gradients backward; g sums forward and passes the gradient on backward."""
+    for rank, found in enumerate(results(two_ranks)):
+        seen, wanted = found[case]["f and g"], expected_f_and_g(case, rank, range(RANKS))
+        for function, name, what in (
+            ("f", "y", "f (copy_to_parallel_region) is the identity forward: its output is its input"),
+            ("f", "x.grad", "f's backward is the sum over the group of the incoming gradients (all-reduce)"),
+            ("g", "y", "g (reduce_from_parallel_region) forward is the sum over the group of its inputs (all-reduce)"),
+            ("g", "x.grad", "g's backward is the identity: the incoming gradient, not summed again"),
+            ("g, no grad", "y", "g's forward is the sum over the group, on an input that does not require grad too"),
+        ):
+            close(seen[function][name], wanted[function][name], f"{what}\n{case}, rank {rank}")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_f_and_g_leave_the_callers_tensors_unchanged(two_ranks, case):
+    """dist.all_reduce works in place: on the caller's input (g's forward) or on the gradient
+    autograd hands over (f's backward: here the caller's own, given to backward) it changes
+    a tensor the caller still holds."""
+    for rank, found in enumerate(results(two_ranks)):
+        seen, wanted = found[case]["f and g"], expected_f_and_g(case, rank, range(RANKS))
+        for function, name, what in (
+            ("g", "x after", "g's input, which requires grad"),
+            ("g, no grad", "x after", "g's input, which does not require grad"),
+            ("f", "x after", "f's input"),
+            ("g", "gradient after", "the gradient given to backward through g"),
+            ("f", "gradient after", "the gradient given to backward through f"),
+        ):
+            close(seen[function][name], wanted[function][name],
+                  f"f and g leave the caller's tensors unchanged (all_reduce works in place: reduce a copy)\n"
+                  f"{case}, rank {rank}: {what} changed")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_residual_through_f_gets_both_gradients(two_ranks, case):
+    """z = f(x) + x: x.grad is f's backward (the sum over the ranks of dz) plus dz itself.
+    Autograd hands the same gradient tensor, dz, to both paths of the +: an all-reduce in
+    place in f's backward changes the other path's gradient too."""
+    for rank, found in enumerate(results(two_ranks)):
+        seen, wanted = found[case]["f and g"], expected_f_and_g(case, rank, range(RANKS))
+        close(seen["f(x) + x"]["x.grad"], wanted["f(x) + x"]["x.grad"],
+              "f's backward leaves the incoming gradient unchanged: in z = f(x) + x, x.grad is the all-reduced "
+              f"gradient plus this rank's own\n{case}, rank {rank}: the gradient of x in f(x) + x (is the incoming "
+              "gradient all-reduced in place? autograd passes the same tensor along the other path)")
