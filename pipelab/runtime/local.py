@@ -22,13 +22,14 @@ from torch import nn
 from ..common.threads import check_threads, intra_op_threads
 from ..model.partition import Partition
 from ..model import stage as stage_ops
-from ..model import loss_check
+from ..model import loss_check, microbatch
 from ..model.batch_norm import warn_if_batch_norm
 from ..model.finite import FiniteChecks
 from ..model.token_weights import token_counter
 from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules.action import Action, Kind
 from ..schedules.dependencies import run_dependencies
+from ..schedules.inference import forward_only_like
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Event, MemorySample, Trace
 from .clock import ActionClock
@@ -36,6 +37,8 @@ from .devices import assign_devices
 from .loop import InProcessTransport, run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .step import (
+    InferenceResult,
+    merged_outputs,
     StepResult,
     build_partition,
     check_loss_fn,
@@ -172,6 +175,35 @@ class Pipeline:
         return StepResult(step_loss(weights, losses, self.asynchronous), trace, losses, wall_seconds,
                           sum(trace.durations().values()))
 
+    def infer(self, inputs: Any) -> InferenceResult:
+        """Forward only, pipelined (inference): the batch cut into the pipeline's m micro-batches, each through
+        every stage once under `torch.no_grad()` (E actions, `pl.schedules.forward_only_like` of this pipeline's
+        schedule: the same stages on the same devices); nothing kept for a backward, nothing sent back.
+        Returns the last stage's outputs merged in order (what `model(inputs)` returns) and the Trace, whose
+        `latencies` and `throughput` give each micro-batch's time in the pipeline and micro-batches per second.
+        The model's mode is yours to set (`model.eval()` for dropout and BatchNorm)."""
+        schedule = forward_only_like(self.schedule)
+        chunks = microbatch.split(inputs, self.n_microbatches)
+        check_traced(self.partition, self.model, chunks)
+        with intra_op_threads(self.threads), torch.no_grad():
+            message = None
+            for worker in self.workers.values():  # warm up, untimed: PyTorch's kernels start lazily
+                worker.start_step(chunks[:1], [None], [1.0])
+            for s in range(self.n_stages):
+                message = self._warm_up_action(Action(Kind.E, s, 0), message)
+            observer = MemoryObserver(schedule.device_of_stage(), self.parameters())
+            for worker in self.workers.values():
+                worker.start_step(chunks, [None] * len(chunks), [1.0] * len(chunks), observer)
+            clock, order = ActionClock(self.devices), run_dependencies(schedule, duration=lambda a: 1.0).time_order()
+            begin = time.perf_counter()
+            run_actions(schedule, order, self.workers, InProcessTransport(self.devices, schedule, observer), clock,
+                        observer)
+            wall_seconds = time.perf_counter() - begin
+            observer.close()
+        last = self.workers[self.n_stages - 1]
+        output = merged_outputs([last.outputs[i] for i in range(self.n_microbatches)])
+        return InferenceResult(output, self._trace(clock, observer, schedule, order), wall_seconds)
+
     def _warm_up(self, inputs: Any, targets: Any) -> None:
         """Run one micro-batch forward and backward through every stage, untimed, its gradients discarded.
 
@@ -214,7 +246,11 @@ class Pipeline:
         with worker.saved:
             return worker.compute(action, message)
 
-    def _trace(self, clock: ActionClock, observer: MemoryObserver) -> Trace:
+    def _trace(self, clock: ActionClock, observer: MemoryObserver, schedule: Schedule | None = None,
+               order: list[Action] | None = None) -> Trace:
+        """The step's Trace (the training schedule's, or `schedule` run in `order`: inference)."""
+        schedule = self.schedule if schedule is None else schedule
+        order = self.order if order is None else order
         intervals = clock.intervals()
         if self.wall_clock:
             origin = min(start for start, _ in intervals.values())
@@ -225,23 +261,23 @@ class Pipeline:
             # the memory observer's own host time inside each action: not the step's; on CUDA the events
             # time the GPU, which the host runs ahead of, so that time is not in their intervals
             own = observer.own if all(d.type == "cpu" for d in self.devices) else {}
-            timing = run_dependencies(self.schedule,
+            timing = run_dependencies(schedule,
                                       duration=lambda a: intervals[a][1] - intervals[a][0] - own.get(a, 0.0))
             start, end, source = timing.start, timing.end, "replayed"
-        device_of_stage = self.schedule.device_of_stage()
-        events = [Event(a.kind, a.stage, a.microbatch, start[a], end[a], device_of_stage[a.stage]) for a in self.order]
+        device_of_stage = schedule.device_of_stage()
+        events = [Event(a.kind, a.stage, a.microbatch, start[a], end[a], device_of_stage[a.stage]) for a in order]
         workers = self.workers
         memory = activation_samples(events, lambda s, i: workers[s].saved_bytes[i],
-                                    lambda s, i: workers[s].recomputed_bytes.get(i, 0), self.schedule.n_devices,
+                                    lambda s, i: workers[s].recomputed_bytes.get(i, 0), schedule.n_devices,
                                     lambda s, i: workers[s].for_w_bytes[i])
         placed = observer.place(start, end)
-        memory += observed_samples(placed, self.schedule.n_devices)
+        memory += observed_samples(placed, schedule.n_devices)
         for event in events:
             if event.action in clock.allocated:
                 memory.append(MemorySample(event.device, event.end, clock.allocated[event.action], "allocated"))
             if event.action in clock.allocated_peak:
                 memory.append(MemorySample(event.device, event.start, clock.allocated_peak[event.action],
                                            "allocated_peak"))
-        return Trace(events, memory, source, self.n_stages, self.n_microbatches, self.schedule.n_devices,
-                     self.schedule.name, [str(d) for d in self.devices],
-                     observed_peak_parts=observed_breakdown(placed, self.schedule.n_devices))
+        return Trace(events, memory, source, self.n_stages, self.n_microbatches, schedule.n_devices,
+                     schedule.name, [str(d) for d in self.devices],
+                     observed_peak_parts=observed_breakdown(placed, schedule.n_devices))

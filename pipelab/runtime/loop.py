@@ -57,7 +57,7 @@ class StageWorker:
         self.buffers = list(module.buffers())  # BatchNorm's statistics: a recomputation leaves them alone
         self.use_parameters(list(module.parameters()))
         self.run = {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._input_gradient,
-                    Kind.W: self._weight_gradient}
+                    Kind.W: self._weight_gradient, Kind.E: self._forward_only}
 
     def use_parameters(self, parameters: list[torch.Tensor]) -> None:
         """The tensors this stage's weights live in (a tensor-parallel rank's shards): what the split backward
@@ -77,6 +77,7 @@ class StageWorker:
         self.saved_for_i: dict[int, tuple] = {}  # mb -> what its F saved (`SavedTensors.take`), split backward
         self.for_w_bytes: dict[int, int] = {}  # mb -> bytes held from its I to its W ("counted")
         self.losses: dict[int, torch.Tensor] = {}  # mb -> unweighted loss (last stage)
+        self.outputs: dict[int, Any] = {}  # mb -> the model's output, of a forward-only step (last stage)
 
     def compute(self, action: Action, message: Any) -> torch.Tensor | None:
         """Run `action` on `message` (None where there is nothing to receive); return what to send on.
@@ -129,6 +130,20 @@ class StageWorker:
         if self.splits_backward:
             self.saved_for_i[i] = self.saved.take()
         return None if self.is_last else boundary.detached(output)
+
+    def _forward_only(self, i: int, message: Any) -> Any:
+        """E: the stage's output without a graph (nothing kept, nothing to send back); the last stage keeps the
+        micro-batch's output (`outputs`)."""
+        inp = to_device(self.inputs[i], self.device) if self.is_first else message
+        self._note(inp, "input")
+        with torch.no_grad():
+            output = self.module(inp)
+        self.saved_bytes[i] = 0
+        if self.is_last:
+            self.outputs[i] = output
+            return None
+        self._note(output, "output")
+        return output
 
     def _recomputing(self, i: int) -> stage_ops.Held:
         """Micro-batch i's `Held`, its input left out of the backward's count (already held since F)."""

@@ -42,6 +42,23 @@ class StepResult:
     op_seconds: float  # sum of the measured durations of all actions
 
 
+@dataclass
+class InferenceResult:
+    output: Any  # the last stage's outputs, merged in micro-batch order: what model(inputs) returns
+    trace: Trace  # E actions only; `trace.latencies`, `trace.throughput`
+    wall_seconds: float  # host time for the whole pass
+
+
+def merged_outputs(outputs: list) -> Any:
+    """The micro-batches' outputs of a forward-only pass joined along the batch (`microbatch.merge`)."""
+    try:
+        return microbatch.merge(outputs)
+    except RuntimeError as error:
+        raise ValueError(f"cannot join the micro-batches' outputs into one batch ({error}): does the model return a "
+                         "scalar per micro-batch, such as a loss? For inference, build the pipeline with a sample "
+                         "without labels, so that the model returns only its outputs") from error
+
+
 def check_loss_fn(loss_fn, traced: bool = False) -> None:
     """`loss_fn` is a callable(output, target) with a mean reduction, or None for a `traced` model (split by
     names) that computes its own loss (`model_loss`: output.loss)."""

@@ -24,6 +24,7 @@ class Kind(str, Enum):
     B = "B"  # backward, whole: the gradients of the stage's input and of its weights
     I = "I"  # noqa: E741  input-gradient half of a split backward (what the previous stage waits for)
     W = "W"  # weight-gradient half of a split backward (which nobody waits for)
+    E = "E"  # forward only (inference, evaluation): the stage's output, nothing kept for a backward
 
     def __str__(self) -> str:
         return self.value
@@ -53,9 +54,10 @@ KIND_SPECS: dict[Kind, KindSpec] = {
     Kind.B: KindSpec("backward", ((Kind.F, 0), (GRADIENT, +1)), -1, True, "backward"),
     Kind.I: KindSpec("input gradient", ((Kind.F, 0), (GRADIENT, +1)), -1, False, "backward", leaves_for_w=True),
     Kind.W: KindSpec("weight gradient", ((Kind.I, 0),), 0, True, "weight"),
+    Kind.E: KindSpec("forward only", ((Kind.E, -1),), +1, False, "forward"),
 }
 """F(s, i) needs F(s-1, i); B(s, i) and I(s, i) need F(s, i) and the gradient stage s+1 sends back
-for micro-batch i; W(s, i) needs I(s, i).  A need whose stage falls outside 0..p-1 does not exist
+for micro-batch i; W(s, i) needs I(s, i); E(s, i) needs E(s-1, i) and keeps nothing (no backward follows).  A need whose stage falls outside 0..p-1 does not exist
 (stage 0 has no F before it, the last stage no gradient after it: it starts from the loss)."""
 
 KINDS = tuple(KIND_SPECS)
@@ -108,7 +110,7 @@ class Action(_Fields):
         if not match or (match.group(1) is None and stage is None):
             raise ScheduleError(
                 f"cannot read {text!r} as an action: write stage, kind, micro-batch like '2F0' "
-                "(kind F = forward, B = backward, I = input gradient, W = weight gradient)"
+                "(kind F = forward, B = backward, I = input gradient, W = weight gradient, E = forward only)"
             )
         found_stage = int(match.group(1)) if match.group(1) is not None else stage
         return cls(match.group(2), found_stage, int(match.group(3)))

@@ -17,6 +17,7 @@ class Routes:
     def __init__(self, schedule: "Schedule"):
         self.n_stages = schedule.n_stages
         self.gradient_kind = schedule.gradient_kind  # per stage: B, or I where it splits its backward
+        self.forward_only = schedule.forward_only  # inference: E on every stage, nothing else
 
     def producer(self, action: Action) -> Action | None:
         """The action on another stage whose result `action` receives (an activation for F, a gradient for
@@ -37,7 +38,9 @@ class Routes:
                     if self.runs(candidate.kind, target) and self.producer(candidate) == action)
 
     def runs(self, kind: Kind, stage: int) -> bool:
-        """Whether `stage` runs actions of `kind`: F, and B or else I and W (`STAGE_KINDS`)."""
+        """Whether `stage` runs actions of `kind`: F, and B or else I and W; or only E (`STAGE_KINDS`)."""
+        if self.forward_only or kind is Kind.E:
+            return self.forward_only and kind is Kind.E
         if kind is Kind.F:
             return True
         splits = self.gradient_kind[stage] is Kind.I

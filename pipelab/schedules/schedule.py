@@ -18,8 +18,9 @@ from .action import Action, Kind
 from .dependencies import run_dependencies
 from .routes import Routes
 
-STAGE_KINDS = ({Kind.F, Kind.B}, {Kind.F, Kind.I, Kind.W})
-"""What one stage runs for every micro-batch: a forward and a whole backward, or a forward and a split one."""
+STAGE_KINDS = ({Kind.F, Kind.B}, {Kind.F, Kind.I, Kind.W}, {Kind.E})
+"""What one stage runs for every micro-batch: a forward and a whole backward, a forward and a split one, or
+(a forward-only schedule: inference) one forward that keeps nothing."""
 
 
 @dataclass
@@ -56,6 +57,11 @@ class Schedule:
         """Per stage, the kind of action that makes its input gradient: I where it splits its backward, else B."""
         split = {stage for row in self.actions for kind, stage, _ in row if kind is Kind.I}
         return [Kind.I if stage in split else Kind.B for stage in range(self.n_stages)]
+
+    @property
+    def forward_only(self) -> bool:
+        """A forward-only (inference) schedule: its actions are E's (`pl.schedules.inference`)."""
+        return any(a.kind is Kind.E for row in self.actions for a in row if isinstance(a, Action))
 
     @property
     def n_devices(self) -> int:
@@ -173,6 +179,8 @@ def _looks_valid(schedule: Schedule) -> bool:
         kinds_of.setdefault(stage, set()).add(kind)
     if any(kinds not in STAGE_KINDS for kinds in kinds_of.values()) or len(kinds_of) != schedule.n_stages:
         return False
+    if len({Kind.E in kinds for kinds in kinds_of.values()}) > 1:
+        return False  # forward-only stages beside training ones
     stages_per_row = [set(map(itemgetter(1), row)) for row in rows]
     stages = set().union(*stages_per_row)
     if sum(map(len, stages_per_row)) != len(stages):
@@ -232,6 +240,18 @@ def _check_stage_placement(schedule: Schedule) -> None:
 
 def _check_complete(schedule: Schedule) -> None:
     present = set(schedule.all_actions())
+    forward_only = {a.stage for a in present if a.kind is Kind.E}
+    if forward_only and len(forward_only) < schedule.n_stages or any(a.kind is not Kind.E for a in present
+                                                                          if a.stage in forward_only):
+        raise ScheduleError("a forward-only schedule (inference) runs E and nothing else on every stage; stages "
+                            f"{sorted(forward_only)} run E, so no F, B, I or W may appear (pl.schedules.inference)")
+    if forward_only:
+        for stage in range(schedule.n_stages):
+            for mb in range(schedule.n_microbatches):
+                if (Kind.E, stage, mb) not in present:
+                    raise ScheduleError(f"missing action {Action(Kind.E, stage, mb)} (forward only, stage {stage}, "
+                                        f"mb {mb}): every micro-batch goes through every stage once")
+        return
     for stage in range(schedule.n_stages):
         kinds = {a.kind for a in present if a.stage == stage}
         if Kind.B in kinds and kinds & {Kind.I, Kind.W}:

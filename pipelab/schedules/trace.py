@@ -143,6 +143,23 @@ class Trace:
         return 1.0 - sum(self.busy_time) / (self.n_devices * self.makespan)
 
     @property
+    def latencies(self) -> list[float]:
+        """Per micro-batch, seconds from the start of its first action to the end of its last, any stage (the
+        time one request spends in the pipeline; for a forward-only schedule, from entering stage 0 to leaving
+        the last stage: p·t for p equal stages of time t, whatever m)."""
+        first: dict[int, float] = {}
+        last: dict[int, float] = {}
+        for e in self.events:
+            first[e.microbatch] = min(first.get(e.microbatch, e.start), e.start)
+            last[e.microbatch] = max(last.get(e.microbatch, e.end), e.end)
+        return [last[i] - first[i] for i in sorted(first)]
+
+    @property
+    def throughput(self) -> float:
+        """Micro-batches per second over the step: m / makespan (m / ((m + p − 1)·t) for p equal stages)."""
+        return self.n_microbatches / self.makespan if self.makespan else 0.0
+
+    @property
     def speedup(self) -> float:
         """Work done / makespan = n_devices x (1 - bubble_fraction): how many devices' worth were busy.
 

@@ -8,7 +8,7 @@ waiting on each other, is named with the actions concerned.
 from __future__ import annotations
 
 from ..common.errors import ScheduleError
-from .action import Action, Kind
+from .action import Action
 from .dependencies import run_dependencies
 from .schedule import Schedule, check_structure
 
@@ -66,7 +66,7 @@ def _first_unrun(schedule: Schedule, timing, device: int) -> int:
 def _why(action: Action, needed: Action) -> str:
     if needed.stage == action.stage:
         return f"a {action.spec.name} needs its own {needed.spec.name} first"
-    if action.kind is Kind.F:
-        return "a forward needs the previous stage's forward of the same micro-batch (its input)"
+    if action.spec.sends > 0:  # F, E: the input comes from the previous stage
+        return f"a {action.spec.name} needs the previous stage's {needed.spec.name} of the same micro-batch (its input)"
     return (f"a {action.spec.name} needs the gradient the next stage's {needed.spec.name} ({needed.kind.value}) "
             "sends back for the same micro-batch")
