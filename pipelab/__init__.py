@@ -20,6 +20,7 @@ from .common.errors import PipelineError, ScheduleError
 from .model import microbatch, models
 from .model.partition import Partition, split
 from .model.reference import max_gradient_difference, single_device_gradients
+from .predict.budget import DeviceMemory, MemoryBudgetError, check_memory_budget, device_memory
 from .predict.costs import Costs
 from .predict.layout import Layout
 from .predict.simulate import simulate
@@ -53,8 +54,9 @@ def __dir__():
 
 
 __all__ = [
-    "__version__", "Action", "CheckpointError", "Costs", "DistributedError", "DistributedPipeline", "Event", "Layout",
-    "MemorySample", "Message", "Partition", "Pipeline", "PipelineError", "Schedule", "ScheduleError",
-    "StepResult", "Trace", "Wait", "about", "describe", "max_gradient_difference", "microbatch", "models",
+    "__version__", "Action", "CheckpointError", "Costs", "DeviceMemory", "DistributedError", "DistributedPipeline",
+    "Event", "Layout", "MemoryBudgetError", "MemorySample", "Message", "Partition", "Pipeline", "PipelineError",
+    "Schedule", "ScheduleError", "StepResult", "Trace", "Wait", "about", "check_memory_budget", "describe",
+    "device_memory", "max_gradient_difference", "microbatch", "models",
     "schedules", "simulate", "single_device_gradients", "split", *LAZY,
 ]

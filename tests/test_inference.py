@@ -95,3 +95,40 @@ def test_infer_on_a_model_split_by_names():
     with torch.no_grad():
         expected = model(**sample)
     torch.testing.assert_close(result.output.logits, expected.logits, rtol=0, atol=1e-5)
+
+
+def ranks_infer(schedule_name: str) -> dict:
+    """On every rank: a forward-only pass, then a training step, of a small MLP (2 ranks)."""
+    model = pl.models.mlp(depth=8, width=32, seed=0)
+    x, y = pl.models.sample_batch(model, 20)
+    schedule = schedules.interleaved_1f1b(2, 4, 2) if schedule_name == "interleaved" else schedule_name
+    pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule=schedule, loss_fn=torch.nn.MSELoss())
+    first = pipe.infer(x)
+    again = pipe.infer(x)  # the inference transport again, then training's
+    loss = pipe.step(x, y).loss
+    return {"output": first.output, "again": again.output, "trace": first.trace, "loss": loss,
+            "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+@pytest.mark.parametrize("schedule_name", ["1f1b", "interleaved"])
+def test_infer_on_ranks_returns_the_models_output_on_the_last_stages_rank(schedule_name):
+    seen = pl.distributed.launch(ranks_infer, 2, schedule_name, timeout_seconds=120)
+    model = pl.models.mlp(depth=8, width=32, seed=0)
+    x, y = pl.models.sample_batch(model, 20)
+    expected = reference_output(model, x)
+    last_rank = 1  # the last stage is on rank 1 for both placements
+    assert seen[0]["output"] is None
+    torch.testing.assert_close(seen[last_rank]["output"], expected, rtol=0, atol=1e-6)
+    torch.testing.assert_close(seen[last_rank]["again"], expected, rtol=0, atol=1e-6)
+    trace = seen[0]["trace"]
+    assert trace.source == "measured" and {e.kind for e in trace.events} == {"E"}
+    n_stages = 4 if schedule_name == "interleaved" else 2
+    assert len(trace.events) == 4 * n_stages and len(trace.messages) == 4 * (n_stages - 1)
+    assert trace.peak_memory == [0, 0]
+    assert all(latency > 0 for latency in trace.latencies) and trace.throughput == pytest.approx(4 / trace.makespan)
+    loss = torch.nn.MSELoss()(model(x), y)  # the training step after it: the single-device step
+    loss.backward()
+    assert math.isclose(seen[0]["loss"], float(loss), rel_tol=1e-5)
+    grads = {**seen[0]["grads"], **seen[1]["grads"]}
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)

@@ -28,6 +28,7 @@ from ..schedules.action import GRADIENT_KINDS, NARROWING_KINDS, RELEASING_KINDS,
 from ..schedules.trace import Event, MemorySample
 
 Bytes = Callable[[int, int], float]  # (stage, microbatch) -> bytes
+COUNTED_KINDS = frozenset({Kind.F}) | GRADIENT_KINDS | NARROWING_KINDS | RELEASING_KINDS  # all but E
 
 
 def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int,
@@ -36,6 +37,8 @@ def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_dev
     changes = []  # (time, 0 for a release so it sorts first at equal times, then the events' order, device, delta)
     split = {(e.stage, e.microbatch) for e in events if e.kind in NARROWING_KINDS}
     for n, e in enumerate(events):
+        if e.kind not in COUNTED_KINDS:  # a forward-only E keeps nothing
+            continue
         stage, mb = e.stage, e.microbatch
         whole = held(stage, mb) + transient(stage, mb)  # what F and a recomputation added
         left = whole if for_w is None or (stage, mb) not in split else for_w(stage, mb)  # what waits for W

@@ -35,6 +35,7 @@ from ..model.partition import Partition, balanced_bounds, split
 from ..predict.layout import Layout
 from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules.action import GRADIENT_KINDS, NARROWING_KINDS, Action, Kind
+from ..schedules.inference import forward_only_like
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Event, Message, Trace, Wait
 from . import checkpoint, clipping, comm_count, fingerprint
@@ -55,6 +56,7 @@ from .loop import run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .p2p import PointToPointTransport
 from .step import (
+    InferenceResult,
     StepResult,
     batch_size,
     build_partition,
@@ -63,6 +65,7 @@ from .step import (
     check_microbatch_count,
     cut_batch,
     make_workers,
+    merged_outputs,
     resolve_schedule,
     step_loss,
     unique_parameters,
@@ -212,6 +215,7 @@ class DistributedPipeline:
             raise ValueError("an asynchronous schedule (PipeDream) updates each stage's weights inside its "
                                 "backwards; it does not run with tensor or data parallelism")
         self.p2p = PointToPointTransport(self.schedule, self.rank, self.group, self.device)
+        self.forward_p2p: PointToPointTransport | None = None  # inference's own (`infer`), made on first use
         self.transport = self.p2p  # what the loop sends and receives through (the same, or scatter/gather over it)
         self.row_orders: dict[str, torch.Tensor] = {}  # parameter name -> the row order tp_plans gave it
         if self.layout.tp > 1:
@@ -339,34 +343,62 @@ class DistributedPipeline:
         input_chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous,
                                                          self.count_tokens)
         check_traced(self.partition, self.model, input_chunks)
-        observer = MemoryObserver(self.schedule.device_of_stage(), self.parameters())
+        records, wall_seconds = self._run(self.schedule, self.p2p, self.transport, input_chunks, target_chunks, weights)
+        trace, losses = self._trace(records)
+        return StepResult(step_loss(weights, losses, self.asynchronous), trace, losses, wall_seconds,
+                          sum(trace.durations().values()))
+
+    def infer(self, inputs: Any) -> InferenceResult:
+        """Forward only, pipelined (inference); call it on every rank with the same whole batch.  Each micro-batch
+        goes through every stage once under `torch.no_grad()` (E actions, `pl.schedules.forward_only_like` of
+        this pipeline's schedule); nothing is kept for a backward, nothing sent back.  Returns the merged
+        outputs (what `model(inputs)` returns) on the rank of the last stage, None on the others, and the
+        same complete trace on every rank (`trace.latencies`, `trace.throughput`)."""
+        if self.hybrid is not None:
+            raise ValueError("infer runs a plain pipeline; with tensor or data parallelism, build a "
+                             "DistributedPipeline without them for inference")
+        schedule = forward_only_like(self.schedule)
+        if self.forward_p2p is None:  # its own receives, tags and shapes: the training transport's stay as they were
+            self.forward_p2p = PointToPointTransport(schedule, self.rank, self.group, self.device)
+        with self._context(), torch.no_grad():
+            chunks = microbatch.split(inputs, self.n_microbatches)
+            check_traced(self.partition, self.model, chunks)
+            m = len(chunks)
+            records, wall_seconds = self._run(schedule, self.forward_p2p, self.forward_p2p, chunks, [None] * m, [1.0] * m)
+            trace, _ = self._trace(records, schedule, self.forward_p2p)
+        last = self.workers.get(self.n_stages - 1)
+        output = None if last is None else merged_outputs([last.outputs[i] for i in range(m)])
+        return InferenceResult(output, trace, wall_seconds)
+
+    def _run(self, schedule: Schedule, p2p: PointToPointTransport, transport, input_chunks: list, target_chunks: list,
+             weights: list[float]) -> tuple[list[StepRecord], float]:
+        """Run this rank's list of `schedule` on the chunks; every rank's records of it, and this rank's seconds."""
+        observer = MemoryObserver(schedule.device_of_stage(), self.parameters())
         for worker in self.workers.values():
             worker.start_step(input_chunks, target_chunks, weights, observer)
-        self.p2p.observer = observer  # before start_step, which posts the first receives
-        self.p2p.start_step([microbatch.signature(chunk) for chunk in input_chunks])
+        p2p.observer = observer  # before start_step, which posts the first receives
+        p2p.start_step([microbatch.signature(chunk) for chunk in input_chunks])
         clock = ActionClock([self.device])
         self.exchange.post()  # gloo: the end-of-step exchange's receives, posted now
 
         step_begin = time.perf_counter()
         # gc: a full collection (~25 ms with torch loaded) on one rank would stall the others
         with gc_paused(), self.finite_checks.step(), loss_check.usage_errors():
-            run_actions(self.schedule, self.schedule.actions[self.rank], self.workers, self.transport, clock, observer)
-            self.p2p.finish()
-            self.shared.all_reduce_gradients()  # a tied weight: the sum of its uses on every rank that has it
+            run_actions(schedule, schedule.actions[self.rank], self.workers, transport, clock, observer)
+            p2p.finish()
+            if not schedule.forward_only:
+                self.shared.all_reduce_gradients()  # a tied weight: the sum of its uses on every rank that has it
         observer.close()
-        records = self.exchange.gather(StepRecord(self._record(clock), self._place_observed(observer, clock)))
-        wall_seconds = time.perf_counter() - step_begin
+        records = self.exchange.gather(StepRecord(self._record(clock, schedule, p2p),
+                                                  self._place_observed(observer, clock)))
+        return records, time.perf_counter() - step_begin
 
-        trace, losses = self._trace(records)
-        return StepResult(step_loss(weights, losses, self.asynchronous), trace, losses, wall_seconds,
-                          sum(trace.durations().values()))
-
-    def _record(self, clock: ActionClock) -> list[list[float]]:
+    def _record(self, clock: ActionClock, schedule: Schedule, p2p: PointToPointTransport) -> list[list[float]]:
         """This rank's rows of the step: one per action of its list (`exchange.COLUMNS`), on rank 0's clock."""
-        intervals, waits, sent = clock.intervals(), self.p2p.waits, self.p2p.sent_at
+        intervals, waits, sent = clock.intervals(), p2p.waits, p2p.sent_at
         offset = self.clock_offset
         rows = []
-        for action in self.schedule.actions[self.rank]:
+        for action in schedule.actions[self.rank]:
             worker, i = self.workers[action.stage], action.microbatch
             start, end = intervals[action]
             wait = waits.get(action, (math.nan, math.nan))
@@ -388,8 +420,12 @@ class DistributedPipeline:
         end = {a: finish + self.clock_offset for a, (_, finish) in intervals.items()}
         return observer.place(start, end)
 
-    def _trace(self, records: list[StepRecord]) -> tuple[Trace, list[float]]:
-        rows = self.schedule.actions
+    def _trace(self, records: list[StepRecord], schedule: Schedule | None = None,
+               p2p: PointToPointTransport | None = None) -> tuple[Trace, list[float]]:
+        """The step's Trace from every rank's records, and the last stage's losses (none for a forward-only run)."""
+        schedule = self.schedule if schedule is None else schedule
+        p2p = self.p2p if p2p is None else p2p
+        rows = schedule.actions
         values = {a: records[d].rows[k] for d, row in enumerate(rows) for k, a in enumerate(row)}
         observed = [change for record in records for change in record.observed]
         device_of = {a: d for d, row in enumerate(rows) for a in row}
@@ -400,23 +436,24 @@ class DistributedPipeline:
             events.append(Event(action.kind, action.stage, action.microbatch, start - origin, end - origin, device))
             if not math.isnan(wait_start):
                 waits.append(Wait(device, wait_start - origin, wait_end - origin, action))
-                source = self.p2p.routes.producer(action)
+                source = p2p.routes.producer(action)
                 messages.append(Message(device_of[source], device, values[source][4] - origin, wait_end - origin, source))
         events.sort(key=lambda e: (e.start, e.device))
         column = {name: k for k, name in enumerate(COLUMNS)}
-        gradient_kind = self.schedule.gradient_kind
+        gradient_kind = schedule.gradient_kind
         memory = activation_samples(
             events, lambda s, i: values[Action(Kind.F, s, i)][column["saved_bytes"]],
-            lambda s, i: values[Action(gradient_kind[s], s, i)][column["recomputed_bytes"]], self.schedule.n_devices,
+            lambda s, i: values[Action(gradient_kind[s], s, i)][column["recomputed_bytes"]], schedule.n_devices,
             lambda s, i: values[Action(Kind.I, s, i)][column["for_w_bytes"]])
         # before the first action (receives posted at the start of the step): at the step's start
         observed = [(max(t - origin, 0.0), *rest) for t, *rest in observed]
-        memory += observed_samples(observed, self.schedule.n_devices)
+        memory += observed_samples(observed, schedule.n_devices)
         last = self.n_stages - 1
-        losses = [values[Action(Kind.F, last, i)][column["loss"]] for i in range(self.n_microbatches)]
+        losses = [] if schedule.forward_only else [values[Action(Kind.F, last, i)][column["loss"]]
+                                                   for i in range(self.n_microbatches)]
         names = [f"rank {d} ({self.device.type})" for d in range(self.world_size)]
-        trace = Trace(events, memory, "measured", self.n_stages, self.n_microbatches, self.schedule.n_devices,
-                      self.schedule.name, names, waits, messages, n_processes=self.world_size,
-                      observed_peak_parts=observed_breakdown(observed, self.schedule.n_devices))
+        trace = Trace(events, memory, "measured", self.n_stages, self.n_microbatches, schedule.n_devices,
+                      schedule.name, names, waits, messages, n_processes=self.world_size,
+                      observed_peak_parts=observed_breakdown(observed, schedule.n_devices))
         return trace, losses
 

@@ -34,6 +34,7 @@ from ..schedules.schedule import Schedule
 from ..schedules.trace import Event, MemorySample, Trace
 from .clock import ActionClock
 from .devices import assign_devices
+from .generation import GenerationResult, generate
 from .loop import InProcessTransport, run_actions
 from .memory_observer import MemoryObserver, observed_breakdown, observed_samples
 from .step import (
@@ -203,6 +204,15 @@ class Pipeline:
         last = self.workers[self.n_stages - 1]
         output = merged_outputs([last.outputs[i] for i in range(self.n_microbatches)])
         return InferenceResult(output, self._trace(clock, observer, schedule, order), wall_seconds)
+
+    def generate(self, prompts: torch.Tensor, new_tokens: int, lanes: int | None = None) -> GenerationResult:
+        """Greedy generation through this pipeline's stages (a `pl.models.tiny_gpt`): `lanes` groups of prompts in
+        flight (default: the pipeline's m), each with its own key/value cache on every stage, one token per lane
+        per round (`runtime/generation.py`).  Returns the prompts with their new tokens (the single device's
+        greedy text) and a replayed Trace; `tokens_per_second`."""
+        with intra_op_threads(self.threads):
+            return generate(self.partition.stages, self.devices, self.schedule.device_of_stage(), prompts,
+                            new_tokens, self.n_microbatches if lanes is None else lanes)
 
     def _warm_up(self, inputs: Any, targets: Any) -> None:
         """Run one micro-batch forward and backward through every stage, untimed, its gradients discarded.
