@@ -32,6 +32,7 @@ from ..model.batch_norm import warn_if_batch_norm
 from ..model.finite import FiniteChecks
 from ..model.token_weights import token_counter
 from ..model.partition import Partition, balanced_bounds, split
+from ..predict.budget import check_limit, check_memory_budget
 from ..predict.layout import Layout
 from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules.action import GRADIENT_KINDS, NARROWING_KINDS, Action, Kind
@@ -126,6 +127,10 @@ class DistributedPipeline:
         tensor_parallel_plan: fn(block) -> a plan for `parallelize_module` (or None to replicate
             the block); default: pl.models' plans (`model/tp_plans.py`).
         layout: a `pl.Layout(dp=, pp=, tp=)` instead of the two numbers.
+        memory_limit_bytes, memory_optimizer: as in `pl.Pipeline`, for this rank's device; a rank holds only its
+            own stages, so the check before the first step counts parameters, gradients and optimizer state
+            (activations not predicted; `pl.check_memory_budget` with `Costs.from_profile` on one process does),
+            and every step's observed activations and messages are held to what the limit leaves.
     """
 
     def __init__(self, model: nn.Module, *, n_microbatches: int, schedule: str | Schedule = "1f1b",
@@ -134,7 +139,8 @@ class DistributedPipeline:
                  checkpoint: str | list[bool] = "never", threads: int | None = 1, optimizer: Callable | None = None,
                  fused_accumulation: bool = True, check_finite: bool | str = "first", group=None,
                  tensor_parallel: int = 1, data_parallel: int = 1, tensor_parallel_plan: Callable | None = None,
-                 layout: Layout | None = None, device: Any = None):
+                 layout: Layout | None = None, device: Any = None, memory_limit_bytes: float | list[float] | None = None,
+                 memory_optimizer: Any = "adam"):
         if device is not None:
             warnings.warn("DistributedPipeline(device=...) is now devices=..., as in pl.Pipeline", DeprecationWarning,
                           stacklevel=2)
@@ -183,6 +189,12 @@ class DistributedPipeline:
         with self._context():
             self._build(model, loss_fn, split_method, split_points, sample, optimizer, fused_accumulation,
                         tensor_parallel_plan)
+        self.activation_budgets = None  # {this rank's device: bytes its activations may take}
+        if memory_limit_bytes is not None:  # the same numbers on every rank: every rank refuses alike
+            limits = check_limit(memory_limit_bytes, self.schedule.n_devices)
+            needs = check_memory_budget(self.partition, self.schedule, limits, None,
+                                        optimizer if optimizer is not None else memory_optimizer, self.checkpoint)
+            self.activation_budgets = {self.rank: limits[self.rank] - needs[self.rank].model_state_bytes}
 
     def _context(self):
         """Where this rank's work runs: its intra-op threads on a CPU, its GPU as the current device on CUDA
@@ -373,7 +385,7 @@ class DistributedPipeline:
     def _run(self, schedule: Schedule, p2p: PointToPointTransport, transport, input_chunks: list, target_chunks: list,
              weights: list[float]) -> tuple[list[StepRecord], float]:
         """Run this rank's list of `schedule` on the chunks; every rank's records of it, and this rank's seconds."""
-        observer = MemoryObserver(schedule.device_of_stage(), self.parameters())
+        observer = MemoryObserver(schedule.device_of_stage(), self.parameters(), self.activation_budgets)
         for worker in self.workers.values():
             worker.start_step(input_chunks, target_chunks, weights, observer)
         p2p.observer = observer  # before start_step, which posts the first receives

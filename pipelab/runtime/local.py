@@ -26,6 +26,8 @@ from ..model import loss_check, microbatch
 from ..model.batch_norm import warn_if_batch_norm
 from ..model.finite import FiniteChecks
 from ..model.token_weights import token_counter
+from ..predict.budget import check_limit, check_memory_budget
+from ..predict.costs import Costs
 from ..predict.memory import activation_samples, checkpoint_plan
 from ..schedules.action import Action, Kind
 from ..schedules.dependencies import run_dependencies
@@ -95,13 +97,21 @@ class Pipeline:
             stage, action and micro-batch where they first appear (`model/finite.py`): "first" checks the
             first step (the default), True every step, False none.  One `isfinite().all()` per stage
             output of a checked step.
+        memory_limit_bytes: bytes each device may hold (a number, or one per device; None: no limit).  Before
+            the first step each device's parameters, gradients, optimizer state (`memory_optimizer`) and the
+            schedule's predicted activations are added up and a step that would not fit is refused, each part
+            named (`pl.check_memory_budget`, docs/memory_budget.md); during every step the observed activations
+            and messages are held to what the limit leaves (a `MemoryBudgetError` in the action that overran).
+        memory_optimizer: the optimizer whose state counts: "adam" (default), "adamw", "sgd", "momentum",
+            "mixed-adam" (ZeRO's 16 bytes per parameter), or a torch optimizer (its real state).
     """
 
     def __init__(self, model: nn.Module, *, n_stages: int, n_microbatches: int, schedule: str | Schedule = "1f1b",
                  loss_fn: Callable | None = None, loss_normalization: str = "samples", devices: Any = "auto",
                  split_method: str | Partition = "uniform", split_points: list[str] | None = None, sample: Any = None,
                  checkpoint: str | list[bool] = "never", threads: int | None = 1, optimizer: Callable | None = None,
-                 fused_accumulation: bool = True, warm_up: bool = True, check_finite: bool | str = "first"):
+                 fused_accumulation: bool = True, warm_up: bool = True, check_finite: bool | str = "first",
+                 memory_limit_bytes: float | list[float] | None = None, memory_optimizer: Any = "adam"):
         check_loss_fn(loss_fn, traced=split_points is not None or not isinstance(model, nn.Sequential))
         check_microbatch_count(n_microbatches)
         self.count_tokens = token_counter(model, loss_fn, loss_normalization)  # None: weights by samples
@@ -114,6 +124,10 @@ class Pipeline:
         self.n_stages, self.n_microbatches = n_stages, n_microbatches
         self.schedule = resolve_schedule(schedule, n_microbatches, n_stages=n_stages)
         self.checkpoint = checkpoint_plan(checkpoint, n_stages)
+        self.memory_limits = None if memory_limit_bytes is None else check_limit(memory_limit_bytes,
+                                                                                self.schedule.n_devices)
+        self.memory_optimizer = optimizer if optimizer is not None else memory_optimizer
+        self.activation_budgets: dict[int, float] | None = None  # set by the first step's memory check
         where = self.schedule.device_of_stage()
         self.devices = assign_devices(devices, [where[s] for s in range(n_stages)])
         check_shared_devices(self.partition, self.devices)
@@ -156,10 +170,12 @@ class Pipeline:
         input_chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous,
                                                          self.count_tokens)
         check_traced(self.partition, self.model, input_chunks)
+        if self.memory_limits is not None and self.activation_budgets is None:
+            self.activation_budgets = self._check_memory(input_chunks[0], target_chunks[0])
         if not self.warmed_up:
             self._warm_up(input_chunks[0], target_chunks[0])
         device_of_stage = self.schedule.device_of_stage()
-        observer = MemoryObserver(device_of_stage, self.parameters())
+        observer = MemoryObserver(device_of_stage, self.parameters(), self.activation_budgets)
         for worker in self.workers.values():
             worker.start_step(input_chunks, target_chunks, weights, observer)
         clock = ActionClock(self.devices)
@@ -213,6 +229,16 @@ class Pipeline:
         with intra_op_threads(self.threads):
             return generate(self.partition.stages, self.devices, self.schedule.device_of_stage(), prompts,
                             new_tokens, self.n_microbatches if lanes is None else lanes)
+
+    def _check_memory(self, inputs: Any, targets: Any) -> dict[int, float]:
+        """Before the first step: each device's parameters, gradients, optimizer state and the schedule's predicted
+        activations (one micro-batch profiled: `Costs.from_profile`) against `memory_limit_bytes`
+        (`predict/budget.py`; refused with each part named); returns what each device's activations may take."""
+        costs = Costs.from_profile(self.model, self.partition, (inputs, targets), self.loss_fn, repeats=1,
+                                   threads=self.threads)
+        needs = check_memory_budget(self.partition, self.schedule, self.memory_limits, costs, self.memory_optimizer,
+                                    self.checkpoint)
+        return {n.device: self.memory_limits[n.device] - n.model_state_bytes for n in needs}
 
     def _warm_up(self, inputs: Any, targets: Any) -> None:
         """Run one micro-batch forward and backward through every stage, untimed, its gradients discarded.

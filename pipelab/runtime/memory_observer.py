@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..model.stage import plain_tensors
+from ..predict.budget import MemoryBudgetError, format_bytes
 from ..schedules.action import Action
 from ..schedules.trace import MemorySample
 
@@ -37,8 +38,12 @@ REASON_INDEX = {why: k for k, why in enumerate(REASONS)}
 class MemoryObserver:
     """Lifetimes of the storages the stages of one process keep during one step."""
 
-    def __init__(self, device_of_stage: dict[int, int], excluded: list[torch.Tensor] = ()):
+    def __init__(self, device_of_stage: dict[int, int], excluded: list[torch.Tensor] = (),
+                 budgets: dict[int, float] | None = None):
         self.device_of_stage = device_of_stage
+        # a memory limit held during the step: {device: bytes its activations may take (the limit less its model
+        # state)}; a storage kept past it raises `MemoryBudgetError` in the action that kept it
+        self.budgets, self.level = budgets, {}
         # parameters: not activations (autograd's saved tensors come already without them, `stage.SavedBytesCounter`)
         self.excluded = {plain.untyped_storage().data_ptr() for t in excluded for plain in plain_tensors(t)}
         # the changes, in four flat lists of numbers (nothing for the cyclic GC to track and collect
@@ -94,6 +99,14 @@ class MemoryObserver:
             self.refs[key], self.reason[key], self.size[key], self.key_of[id(ref)] = ref, reason, nbytes, key
 
     def _change(self, now: float, device: int, delta: int, reason: int) -> None:
+        if self.budgets is not None:
+            level = self.level[device] = self.level.get(device, 0) + delta
+            if delta > 0 and level > self.budgets[device]:
+                raise MemoryBudgetError(
+                    f"device {device} holds {format_bytes(level)} of activations and messages, over the "
+                    f"{format_bytes(self.budgets[device])} its memory limit leaves beside its parameters, gradients "
+                    "and optimizer state (the prediction counts activations only; messages waiting also take room); "
+                    "try: a higher limit, checkpointing, fewer micro-batches in flight", [], [])
         self.times.append(now)
         self.spent_at.append(self.spent)
         self.devices.append(device)
