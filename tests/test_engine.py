@@ -228,7 +228,7 @@ def test_both_engines_take_keywords_with_the_same_names_in_the_same_order():
     assert shared == [name for name in distributed if name in local]
     assert shared == ["model", "n_microbatches", "schedule", "loss_fn", "loss_normalization", "devices",
                       "split_method", "split_points", "sample", "checkpoint", "threads", "optimizer",
-                      "fused_accumulation", "check_finite"]
+                      "fused_accumulation", "check_finite", "memory_limit_bytes", "memory_optimizer"]
     with pytest.raises(TypeError, match="positional"):
         pl.Pipeline(pl.models.mlp(depth=2, width=4), 2, 2)
 
