@@ -112,6 +112,7 @@ class Pipeline:
                  checkpoint: str | list[bool] = "never", threads: int | None = 1, optimizer: Callable | None = None,
                  fused_accumulation: bool = True, warm_up: bool = True, check_finite: bool | str = "first",
                  memory_limit_bytes: float | list[float] | None = None, memory_optimizer: Any = "adam"):
+        self.options = {name: value for name, value in locals().items() if name not in ("self", "model")}  # restage
         check_loss_fn(loss_fn, traced=split_points is not None or not isinstance(model, nn.Sequential))
         check_microbatch_count(n_microbatches)
         self.count_tokens = token_counter(model, loss_fn, loss_normalization)  # None: weights by samples
@@ -144,6 +145,25 @@ class Pipeline:
             all(d.type == "cuda" for d in self.devices) and len(set(self.devices)) == n_stages
             and sorted(device_of_stage.values()) == list(range(n_stages))
         )
+
+    def restage(self, n_stages: int, schedule: str | Schedule | None = None, devices: Any = None) -> None:
+        """Cut the same model into `n_stages` stages between two steps (devices came or went): the same
+        parameters, their `.grad` and so any optimizer over them go on as before, so training continues as
+        if uninterrupted.  `schedule`: for the new depth (default: this one's name, e.g. "1f1b"); `devices`:
+        for the new stages (default: as before, when that was a name like "cpu")."""
+        if schedule is None:
+            if not isinstance(self.options["schedule"], str):
+                raise ValueError("this pipeline runs a hand-made Schedule: give restage(n, schedule=...) for the "
+                                 f"new depth of {n_stages} stages")
+            schedule = self.options["schedule"]
+        if devices is None:
+            if not isinstance(self.options["devices"], str):
+                raise ValueError("this pipeline has one device per stage: give restage(n, devices=[...]) with "
+                                 f"one for each of the {n_stages} new stages")
+            devices = self.options["devices"]
+        if isinstance(self.options["split_method"], Partition):
+            raise ValueError("this pipeline was given a Partition: build a new one for the new depth")
+        self.__init__(self.model, **{**self.options, "n_stages": n_stages, "schedule": schedule, "devices": devices})
 
     def parameters(self) -> list[nn.Parameter]:
         """Every stage's parameters, in stage order, each once (a tied embedding two stages use: one parameter,
