@@ -94,10 +94,11 @@ def _draw(ax, trace: Trace, scale: float, label_microbatches: bool = True) -> No
                             facecolor=IDLE, hatch="///", edgecolor="#BBBBBB", linewidth=0))
     # white separators between neighbouring actions, unless the bars are too thin for them to show
     separator = 0.6 if len(trace.events) <= 64 * max(trace.n_devices, 1) else 0.0
-    chunk = chunks_of(trace)  # several stages on a device: each its own shade
+    # several stages on a device: each its own shade (one stage per device: one pass per kind, as before)
+    chunk = chunks_of(trace) if trace.n_stages > trace.n_devices else None
     for kind in COLORS:
-        for k in sorted(set(chunk.values())):
-            chosen = [e for e in trace.events if e.kind == kind and chunk[e.stage] == k]
+        for k in (sorted(set(chunk.values())) if chunk else [0]):
+            chosen = [e for e in trace.events if e.kind == kind and (chunk is None or chunk[e.stage] == k)]
             if chosen:
                 table = np.array([(e.start - origin, e.duration, e.device) for e in chosen], dtype=float)
                 boxes = _boxes(table[:, 0] * scale, table[:, 1] * scale, table[:, 2])
