@@ -5,7 +5,8 @@
 The flags are those of `pipelab run`.  torchrun sets RANK, WORLD_SIZE, LOCAL_RANK and the
 rendezvous; this joins the process group (NCCL when the ranks use GPUs, else gloo), trains,
 and rank 0 prints the report and writes the timeline, the Chrome trace and (with --json) the
-figures.  A rank that raises is recorded for torchrun (`@record`), which then stops the others.
+figures.  A rank that raises is recorded for torchrun (`@record`), which then stops the others;
+a rank that loses a rank on another machine (a pulled cable, a dead host) names that machine.
 Each rank dies with torchrun's agent (its parent), even an agent killed with SIGKILL, and
 Ctrl-C ends a rank at once, without a traceback.
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import socket
 import sys
 from datetime import timedelta
 
@@ -25,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from .common.errors import LostRankError
 from .runtime.p2p import use_two_connections
 from .runtime.processes import end_with_parent
 from .training import add_run_arguments, finish, train_rank
@@ -49,10 +52,17 @@ def main(argv: list[str] | None = None) -> int:
     elif os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE"):  # every rank on this machine
         use_two_connections()  # activations and gradients on separate gloo connections (runtime/p2p.py)
     dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timedelta(seconds=args.timeout_seconds))
+    hosts: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())  # which machine each rank runs on, to name a lost one
     try:
         summary = train_rank(args)
         if dist.get_rank() == 0:
             finish(summary, args)
+    except LostRankError as error:
+        lost = error.lost_rank
+        if lost is None or hosts[lost] == hosts[dist.get_rank()]:
+            raise
+        raise LostRankError(f"lost host {hosts[lost]} (rank {lost}): {error}", lost) from error
     finally:
         dist.destroy_process_group()
     return 0
