@@ -23,6 +23,7 @@ from .model.reference import max_gradient_difference, single_device_gradients
 from .predict.budget import DeviceMemory, MemoryBudgetError, check_memory_budget, device_memory
 from .predict.costs import Costs
 from .predict.layout import Layout
+from .predict.planner import Plan, PlanRow, TransformerSpec, plan
 from .predict.simulate import simulate
 from .runtime.checkpoint import CheckpointError
 from .runtime.distributed import DistributedPipeline
@@ -58,5 +59,6 @@ __all__ = [
     "Event", "Layout", "MemoryBudgetError", "MemorySample", "Message", "Partition", "Pipeline", "PipelineError",
     "Schedule", "ScheduleError", "StepResult", "Trace", "Wait", "about", "check_memory_budget", "describe",
     "device_memory", "max_gradient_difference", "microbatch", "models",
+    "Plan", "PlanRow", "TransformerSpec", "plan",
     "schedules", "simulate", "single_device_gradients", "split", *LAZY,
 ]

@@ -5,6 +5,7 @@
     pipelab simulate --stages 8 --microbatches 32 --schedule 1f1b
     pipelab lab [jupyter-lab options]
     pipelab grade [task]
+    pipelab plan --sc21 145.6B | --layers L --hidden H --heads A --devices N --batch B ...   (rank every layout)
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 import torch
 
 from .common.errors import PipelineError
+from .planning import add_plan_arguments, plan_command
 from .course.grade import main as grade_main
 from .predict.costs import Costs
 from .predict.simulate import simulate as run_simulation
@@ -52,6 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
 
     commands.add_parser("grade", help="grade your exercises, task by task (pipelab grade --help)", add_help=False)
+
+    planner = commands.add_parser("plan", help="rank every (dp, pp, tp) layout of a transformer on a cluster")
+    add_plan_arguments(planner)
     return parser
 
 
@@ -64,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return run(args)
+    if args.command == "plan":
+        return plan_command(args)
     return simulate(args)
 
 
