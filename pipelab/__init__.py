@@ -24,6 +24,7 @@ from .predict.budget import DeviceMemory, MemoryBudgetError, check_memory_budget
 from .predict.costs import Costs
 from .predict.layout import Layout
 from .predict.planner import Plan, PlanRow, TransformerSpec, plan
+from .predict.schedule_search import search_schedule
 from .predict.simulate import simulate
 from .runtime.checkpoint import CheckpointError
 from .runtime.distributed import DistributedPipeline
@@ -39,8 +40,9 @@ LAZY = {  # pl.<name> -> its module, imported when first asked for (matplotlib a
     "communication": "predict.communication", "hybrid_costs": "predict.hybrid_costs",
     "pipedream": "schedules.pipedream", "warmup_depth": "schedules.warmup_depth",
     "split_backward": "model.split_backward", "threads": "common.threads",
-    **{name: f"course.{name}" for name in ("balance", "compare_engines", "fastest", "grade", "gradients",
-                                           "hybrid_lesson", "phases", "pipedream_run", "quiz", "sync_async")},
+    **{name: f"course.{name}" for name in ("applications", "balance", "compare_engines", "fastest", "glossary",
+                                           "grade", "gradients", "hybrid_lesson", "phases", "pipedream_run", "quiz",
+                                           "sync_async")},
 }
 
 
@@ -60,5 +62,5 @@ __all__ = [
     "Schedule", "ScheduleError", "StepResult", "Trace", "Wait", "about", "check_memory_budget", "describe",
     "device_memory", "max_gradient_difference", "microbatch", "models",
     "Plan", "PlanRow", "TransformerSpec", "plan",
-    "schedules", "simulate", "single_device_gradients", "split", *LAZY,
+    "schedules", "search_schedule", "simulate", "single_device_gradients", "split", *LAZY,
 ]

@@ -1,0 +1,161 @@
+"""Lesson 13's functions (pipelab/course/applications.py) beside what they are built on: the memory rule,
+plain training, the forward-only schedule's closed forms, the engine's generation and the two-hosts
+prediction that benchmarks/slow_link.py prints (docs/two_hosts.md)."""
+
+import math
+
+import matplotlib.pyplot as plt
+import pytest
+import torch
+from torch import nn
+
+import pipelab as pl
+import pipelab.course.applications as app
+from pipelab.common.threads import intra_op_threads
+from pipelab.predict.hybrid_costs import Link, predict
+
+
+def test_state_by_depth_shares_model_state_and_keeps_stage_0s_activations_under_1f1b():
+    model = pl.models.mlp(depth=8, width=32, seed=0)
+    x, y = pl.models.sample_batch(model, 8)
+    by_depth = app.state_by_depth(model, (1, 2, 4, 8), n_microbatches=8, sample=(x, y), loss_fn=nn.MSELoss())
+    whole = sum(p.numel() * 4 for p in model.parameters())
+    for p, needs in by_depth.items():
+        assert len(needs) == p
+        assert sum(n.parameter_bytes for n in needs) == sum(n.gradient_bytes for n in needs) == whole
+        assert all(n.optimizer_bytes == 2 * n.parameter_bytes for n in needs)  # Adam: two fp32 moments
+        assert all(n.activation_bytes > 0 for n in needs)
+    states = [app.fullest(needs).model_state_bytes for needs in by_depth.values()]
+    assert states == sorted(states, reverse=True) and states[0] / states[-1] > 6  # about 1/p
+    # 1F1B: stage 0 keeps min(p, m) micro-batches of 1/p of the model's activations: about one device's
+    stage_0 = [needs[0].activation_bytes for needs in by_depth.values()]
+    assert max(stage_0) / min(stage_0) < 1.5
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_model_on_the_meta_device_counts_sixteen_bytes_a_parameter_under_mixed_adam():
+    with torch.device("meta"):
+        gpt = pl.models.tiny_gpt(n_layers=4, d_model=64, n_heads=4, vocab_size=128, seq_len=16)
+    gpt = gpt.to(torch.bfloat16)
+    n = sum(p.numel() for p in gpt.parameters())
+    by_depth = app.state_by_depth(gpt, (1, 2, 3), n_microbatches=4, optimizer="mixed-adam")
+    assert by_depth[1][0].total_bytes == 16 * n and by_depth[1][0].activation_bytes is None
+    assert sum(need.total_bytes for need in by_depth[2]) == 16 * n
+    assert app.fewest_stages(by_depth, 16 * n) == 1
+    assert app.fewest_stages(by_depth, 16 * n - 1) == 2
+    assert app.fewest_stages(by_depth, app.fullest(by_depth[3]).total_bytes) == 3
+    assert app.fewest_stages(by_depth, 1) is None
+
+
+def test_plain_losses_are_a_plain_loop_and_the_pipeline_matches_them():
+    model = pl.models.mlp(depth=4, width=16, seed=0)
+    x, _ = pl.models.sample_batch(model, 32)
+    y = pl.models.mlp(depth=4, width=16, seed=1)(x).detach()
+    by_hand, copy = pl.models.mlp(depth=4, width=16, seed=0), pl.models.mlp(depth=4, width=16, seed=0)
+    sgd = torch.optim.SGD(by_hand.parameters(), lr=0.5)
+    expected = []
+    with intra_op_threads(1):  # as plain_losses runs: the same reductions, the same bits
+        for _ in range(4):
+            loss = nn.MSELoss()(by_hand(x), y)
+            loss.backward()
+            sgd.step()
+            sgd.zero_grad()
+            expected.append(loss.item())
+    found = app.plain_losses(copy, x, y, 4, lambda params: torch.optim.SGD(params, lr=0.5))
+    assert found == expected and all(isinstance(v, float) for v in found)
+    assert all(torch.equal(a, b) for a, b in zip(copy.parameters(), by_hand.parameters()))
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=4, loss_fn=nn.MSELoss(), devices="cpu")
+    sgd = torch.optim.SGD(pipe.parameters(), lr=0.5)
+    piped = []
+    for _ in range(4):
+        piped.append(pipe.step(x, y).loss)
+        sgd.step()
+        sgd.zero_grad(set_to_none=True)
+    assert piped == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.parametrize("p,t", [(1, 1.0), (4, 0.01), (3, 2.5)])
+def test_inference_points_are_the_closed_forms(p, t):
+    ms = (1, 2, 5, 16)
+    for point, m in zip(app.inference_points(p, t, ms), ms):
+        assert point.n_microbatches == m
+        assert point.latency_seconds == pytest.approx(p * t)
+        assert point.step_seconds == pytest.approx((m + p - 1) * t)
+        assert point.throughput == pytest.approx(m / ((m + p - 1) * t))
+
+
+def test_greedy_text_is_what_the_pipeline_generates_and_leaves_the_prompts_alone():
+    gpt = pl.models.tiny_gpt(n_layers=4, d_model=32, n_heads=4, vocab_size=64, seq_len=16, seed=0).eval()
+    prompts = torch.randint(0, 64, (4, 5), generator=torch.Generator().manual_seed(0))
+    kept, threads = prompts.clone(), torch.get_num_threads()
+    text = app.greedy_text(gpt, prompts, 6)
+    assert torch.get_num_threads() == threads  # one thread inside, the caller's setting after
+    assert text.shape == (4, 11) and torch.equal(text[:, :5], prompts) and torch.equal(prompts, kept)
+    pipe = pl.Pipeline(gpt, n_stages=2, n_microbatches=2, loss_fn=pl.models.default_loss(gpt), devices="cpu")
+    assert torch.equal(pipe.generate(prompts, 6).tokens, text)
+
+
+def test_time_one_microbatch_times_on_one_thread_and_leaves_no_gradient():
+    model = pl.models.mlp(depth=4, width=16, seed=0)
+    x, y = pl.models.sample_batch(model, 8)
+    threads = torch.get_num_threads()
+    forward, backward = app.time_one_microbatch(model, x, y, repeats=3)
+    assert 0 < forward < 1 and 0 < backward < 1
+    assert torch.get_num_threads() == threads and all(p.grad is None for p in model.parameters())
+
+
+def test_the_two_hosts_model_is_the_benchmarks():
+    costs = app.two_hosts_model(0.05, 0.08)
+    model = pl.models.mlp(depth=app.TWO_HOSTS_DEPTH, width=app.TWO_HOSTS_WIDTH, seed=0)
+    assert costs.parameter_bytes == sum(p.numel() * 4 for p in model.parameters()) == 33_685_504  # "33.7 MB"
+    assert costs.activation_bytes == 64 * 256 * 4 and costs.n_layers == 32
+
+
+def test_predict_two_hosts_gives_the_benchmarks_predictions_and_pp_keeps_its_pace():
+    # docs/two_hosts.md, run 1 at 1 Gbit/s: link 950 Mbit/s, 113 us; F 62.2 ms, B 79.3 ms -> 356.4, 566.8, 681.5 ms
+    # (printed from unrounded figures: the same to 0.1 %)
+    model = app.two_hosts_model(0.0622, 0.0793)
+    found = app.predict_two_hosts(model, 950e6, latency_seconds=113e-6)
+    recorded = {"PP": 0.3564, "DP": 0.5668, "TP": 0.6815}
+    assert {k: v.step_seconds for k, v in found.items()} == pytest.approx(recorded, rel=1e-3)
+    link = Link(113e-6, 950e6 / 8)
+    assert found["PP"] == predict(pl.Layout(1, 2, 1), model, {"pp": link, "tp": link, "dp": link}, 4)
+    assert found["DP"] == predict(pl.Layout(2, 1, 1), model, {"pp": link, "tp": link, "dp": link}, 2)
+    assert app.link_bytes("PP", found["PP"]) == 2 * 4 * 65536  # each micro-batch's activation and its gradient
+    assert app.link_bytes("DP", found["DP"]) == 2 * model.parameter_bytes  # each rank sends 2·(n−1)/n·Ψ = Ψ
+    assert app.link_bytes("TP", found["TP"]) == 2 * 4 * 4 * 32 * 65536  # 4 all-reduces a layer, 4 micro-batches
+    slow = app.predict_two_hosts(model, 1e8, latency_seconds=113e-6)
+    grew = {k: slow[k].step_seconds / found[k].step_seconds for k in found}
+    assert grew["PP"] < 1.1 and grew["DP"] > 4 and grew["TP"] > 3
+    for bad in (0, -1e9, math.inf, "1gbit"):
+        with pytest.raises(ValueError, match="bits_per_second"):
+            app.predict_two_hosts(model, bad)
+
+
+def test_the_pictures_draw_what_they_are_given():
+    model = pl.models.mlp(depth=4, width=16, seed=0)
+    x, y = pl.models.sample_batch(model, 4)
+    by_depth = app.state_by_depth(model, (1, 2), 4, (x, y), nn.MSELoss())
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3))
+    app.plot_state_by_depth(by_depth, ax=axes[0], limit_bytes=2**14, unit=2**10, unit_name="KiB")
+    assert len(axes[0].patches) == len(app.PARTS) * 2
+    tops = [sum(b.get_height() for b in axes[0].patches if b.get_x() < 0.5)]
+    assert tops[0] == pytest.approx(app.fullest(by_depth[1]).total_bytes / 2**10)
+    app.plot_losses({"one device": [3, 2, 1, 0.5], "pipeline": [3, 2, 1, 0.5]}, ax=axes[1], depths=[4, 4, 2, 2])
+    assert len(axes[1].lines) == 2 and {t.get_text() for t in axes[1].texts} == {"p = 4", "p = 2"}
+    app.plot_inference(app.inference_points(4, 0.01, (1, 4, 16)), 4, 0.01, axes=axes[2:])
+    assert len(axes[2].lines) == 3 and len(axes[3].lines) == 2
+    plt.close(fig)
+    by_rate = {r: app.predict_two_hosts(app.two_hosts_model(0.05, 0.08), b) for r, b in (("1 Gbit/s", 1e9),
+                                                                                        ("100 Mbit/s", 1e8))}
+    ax = app.plot_two_hosts(by_rate)
+    assert len(ax.patches) == 6
+    plt.close("all")
+
+
+def test_median_replay_takes_each_actions_median_over_the_passes():
+    schedule = pl.schedules.inference(2, 3)
+    passes = [pl.simulate(schedule, pl.Costs(forward=t)) for t in (1.0, 9.0, 2.0)]  # one pass preempted
+    replayed = app.median_replay(passes, schedule)
+    assert replayed.durations() == {a: 2.0 for a in schedule.all_actions()}
+    assert replayed.makespan == pytest.approx((3 + 2 - 1) * 2.0) and replayed.latencies == pytest.approx([4.0] * 3)
