@@ -6,6 +6,7 @@
     pipelab lab [jupyter-lab options]
     pipelab grade [task]
     pipelab plan --sc21 145.6B | --layers L --hidden H --heads A --devices N --batch B ...   (rank every layout)
+    pipelab search --stages 4 --microbatches 8 --weight 1 --memory-limit 6               (find a schedule)
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .common.errors import PipelineError
-from .planning import add_plan_arguments, plan_command
+from .planning import add_plan_arguments, add_search_arguments, plan_command, search_command
 from .course.grade import main as grade_main
 from .predict.costs import Costs
 from .predict.simulate import simulate as run_simulation
@@ -57,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     planner = commands.add_parser("plan", help="rank every (dp, pp, tp) layout of a transformer on a cluster")
     add_plan_arguments(planner)
+    search = commands.add_parser("search", help="find a schedule for a memory limit, beside the named ones")
+    add_search_arguments(search)
     return parser
 
 
@@ -71,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         return run(args)
     if args.command == "plan":
         return plan_command(args)
+    if args.command == "search":
+        return search_command(args)
     return simulate(args)
 
 

@@ -1,7 +1,10 @@
-"""`pipelab plan`: every (dp, pp, tp) layout of a transformer on a cluster, ranked by predicted step (`pl.plan`).
+"""Decide, then check: `pipelab plan` ranks every (dp, pp, tp) layout of a transformer on a cluster by predicted
+step (`pl.plan`); `pipelab search` finds a schedule for a memory limit (`pl.search_schedule`) and sets it beside
+the named ones.
 
     pipelab plan --sc21 145.6B                       # a row of Megatron-LM SC21 Table 1, its cluster and batch
     pipelab plan --layers 24 --hidden 2048 --heads 16 --devices 16 --per-node 8 --memory-gib 40 --batch 512
+    pipelab search --stages 4 --microbatches 8 --forward 1 --backward 1 --weight 1 --memory-limit 6
 """
 
 from __future__ import annotations
@@ -9,7 +12,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .predict.costs import Costs
 from .predict.planner import plan as make_plan
+from .predict.schedule_search import search_schedule
 from .predict.transformer_memory import RECOMPUTE, SC21_CLUSTER, SC21_TABLE_1, SCHEDULES, TransformerSpec
 
 DEFAULTS = {"layers": 24, "hidden": 2048, "heads": 16, "seq": 2048, "vocab": 51200, "devices": 8, "per_node": 8,
@@ -108,3 +113,36 @@ def plan_command(args: argparse.Namespace) -> int:
           f"V={spec.vocab}) on {value['devices']} devices, {value['per_node']} per node; global batch {value['batch']}")
     print(found.table(n_rows=args.rows, per_layout=not args.all_rows))
     return 0 if found.rows else 1
+
+
+def add_search_arguments(search: argparse.ArgumentParser) -> None:
+    search.add_argument("--stages", type=positive, default=4)
+    search.add_argument("--microbatches", type=positive, default=8)
+    search.add_argument("--forward", type=float, default=1.0, help="seconds of a forward (F) per stage")
+    search.add_argument("--backward", type=float, default=1.0, help="seconds of the input gradient (I) per stage")
+    search.add_argument("--weight", type=float, default=1.0,
+                        help="seconds of the weight gradient (W) per stage; 0: whole backwards (B)")
+    search.add_argument("--latency", type=float, default=0.0, help="seconds per message between stages")
+    search.add_argument("--memory-limit", type=float, default=None,
+                        help="micro-batches a device may hold at once (default: no limit)")
+    search.add_argument("--chunks", type=positive_ints, default=(1,), help="stages per device to try, e.g. 1,2")
+
+
+def search_command(args: argparse.Namespace) -> int:
+    """Print the found schedule's table, its makespan and memory, and the named schedules' beside it."""
+    try:
+        costs = Costs(forward=args.forward, backward=args.backward, weight=args.weight, latency=args.latency)
+        found = search_schedule(args.stages, args.microbatches, costs, args.memory_limit, n_chunks=args.chunks)
+    except (ValueError, TypeError) as error:
+        print(f"pipelab search: {error}", file=sys.stderr)
+        return 2
+    meta = found.meta
+    limit = "no memory limit" if args.memory_limit is None else f"at most {args.memory_limit:g} micro-batches a device"
+    print(f"p={args.stages}, m={args.microbatches}, t_F={args.forward:g}, t_B={args.backward:g}, "
+          f"t_W={args.weight:g}, latency {args.latency:g}; {limit}")
+    print(found.to_text())
+    print(f"found by {meta['found_by']}{' (proven optimal)' if meta.get('optimal') else ''}: makespan "
+          f"{meta['makespan']:g}, peak memory per device {meta['peak_memory']}")
+    for name, makespan in meta["candidates"].items():
+        print(f"  {name:<24} {'does not fit the limit' if makespan is None else f'makespan {makespan:g}'}")
+    return 0

@@ -220,3 +220,13 @@ def test_the_distributed_engine_runs_a_found_schedule_on_two_ranks():
     assert set(grads) == set(reference)
     for name in reference:
         torch.testing.assert_close(grads[name], reference[name], **TOLERANCE, msg=lambda msg, name=name: f"{name}: {msg}")
+
+
+def test_pipelab_search_prints_the_found_table_beside_the_named_ones(capsys):
+    from pipelab import cli
+
+    assert cli.main(["search", "--stages", "3", "--microbatches", "6", "--memory-limit", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "device 2 |" in out and "found by" in out and "1f1b" in out and "makespan" in out
+    assert cli.main(["search", "--stages", "3", "--microbatches", "6", "--memory-limit", "0"]) == 2
+    assert "pipelab search:" in capsys.readouterr().err
