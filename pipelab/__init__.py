@@ -40,9 +40,9 @@ LAZY = {  # pl.<name> -> its module, imported when first asked for (matplotlib a
     "communication": "predict.communication", "hybrid_costs": "predict.hybrid_costs",
     "pipedream": "schedules.pipedream", "warmup_depth": "schedules.warmup_depth",
     "split_backward": "model.split_backward", "threads": "common.threads",
-    **{name: f"course.{name}" for name in ("applications", "balance", "compare_engines", "fastest", "glossary",
-                                           "grade", "gradients", "hybrid_lesson", "phases", "pipedream_run", "quiz",
-                                           "sync_async")},
+    **{name: f"course.{name}" for name in ("applications", "balance", "capstone", "compare_engines", "fastest",
+                                           "glossary", "grade", "gradients", "hybrid_lesson", "phases", "pipedream_run",
+                                           "quiz", "sync_async")},
 }
 
 

@@ -35,7 +35,7 @@ NOTEBOOKS = {
     "04": "04_1f1b_memory.ipynb", "05": "05_checkpointing.ipynb", "06": "06_one_process_to_many.ipynb",
     "07": "07_pipelining_is_not_free.ipynb", "08": "08_pp_and_tp_can_be_mixed.ipynb",
     "09": "09_deeper_is_not_better.ipynb", "10": "10_pipedream_async.ipynb", "11": "11_beyond_1f1b.ipynb",
-    "12": "12_your_model.ipynb", "13": "13_where_it_is_used.ipynb",
+    "12": "12_your_model.ipynb", "13": "13_where_it_is_used.ipynb", "14": "14_capstone.ipynb",
 }
 SAFE_ANCHOR = re.compile(r"[A-Za-z0-9 .,:;'+-]+")  # what survives a URL and a markdown link unchanged
 
@@ -253,6 +253,10 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
              "(p − 1)(T_F + T_B − T_W) idle per stage against 1F1B's (p − 1)(T_F + T_B + T_W), at 1F1B's peak "
              "memory. ZB-H2 idles (p − 1)(T_F + T_B − 2T_W) at (2p − 1) micro-batches.",
              "11 2. Zero bubble: split the backward into I and W", task="5.3"),
+        term("schedule search", "排程搜尋",
+             "pl.search_schedule: a schedule found rather than written, the shortest simulated makespan it can "
+             "find with each device under a memory limit; never worse than a named schedule that fits.",
+             "14 3. A schedule for a memory limit"),
         term("DualPipe", "DualPipe",
              "DeepSeek-V3's schedule: two pipelines in opposite directions over the same devices, one "
              "direction's forward overlapped with the other's backward to hide communication; bubble "
@@ -445,7 +449,12 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
         term("global batch", "全域批次",
              "The batch B over all replicas, fixed by the optimisation; with micro-batch b and d replicas "
              "m = B/(b·d), so the bubble is (p − 1)·b·d/B of the ideal time.",
-             "08 5. The rule that picks a layout"),
+             "08 5. The rule that picks a layout", "14 1. The plan"),
+        term("layout planner", "佈局規劃器",
+             "pl.plan: every (dp, pp, tp) with dp·pp·tp = devices, each schedule and recomputation, ranked by "
+             "predicted step time, with memory per device and bytes per kind; those over the memory limit are "
+             "listed apart with the reason.",
+             "14 1. The plan", "14 2. Run it, scaled down", task="7.1"),
     )),
     ("Your own model · 你自己的模型", (
         term("split points", "切分點",
