@@ -158,3 +158,21 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- for the figure tests (test_figures_fit.py, test_hybrid_lesson.py): every text drawn, to find one off its figure
+@pytest.fixture
+def drawn_texts(monkeypatch):
+    """A list that fills with (text, window extent) of every text drawn from now on."""
+    import matplotlib.text  # here, not at the top: the graders' runs of this conftest need no matplotlib
+
+    drawn = []
+    original = matplotlib.text.Text.draw
+
+    def draw_and_record(self, renderer):
+        original(self, renderer)
+        if self.get_visible() and self.get_text().strip():
+            drawn.append((self.get_text(), self.get_window_extent(renderer)))
+
+    monkeypatch.setattr(matplotlib.text.Text, "draw", draw_and_record)
+    return drawn

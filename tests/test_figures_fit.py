@@ -7,7 +7,6 @@ ticks outside the view are not drawn, so they do not count).
 """
 
 import matplotlib.pyplot as plt
-import matplotlib.text
 import pytest
 
 import pipelab as pl
@@ -17,19 +16,6 @@ from pipelab.show.widgets import explorer_figures, explorer_view
 SIZES = [(1, 1), (2, 8), (4, 8), (8, 64), (16, 64)]  # (p, m)
 
 
-@pytest.fixture
-def drawn_texts(monkeypatch):
-    """A list that fills with (text, window extent) of every text drawn from now on."""
-    drawn = []
-    original = matplotlib.text.Text.draw
-
-    def draw_and_record(self, renderer):
-        original(self, renderer)
-        if self.get_visible() and self.get_text().strip():
-            drawn.append((self.get_text(), self.get_window_extent(renderer)))
-
-    monkeypatch.setattr(matplotlib.text.Text, "draw", draw_and_record)
-    return drawn
 
 
 def assert_texts_inside(fig, drawn, tolerance=1.0):

@@ -6,7 +6,6 @@ picture (pipelab/show/tensor_parallel_picture.py).
 import math
 
 import matplotlib.pyplot as plt
-import matplotlib.text
 import pytest
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
@@ -65,16 +64,8 @@ def test_split_linear_by_hand_sums_where_megatron_all_reduces():
         assert found["row: one rank's partial"] > 0.1 and found["column ∂X: one rank's"] > 0.1
 
 
-def test_the_tensor_parallel_picture_has_its_three_panels_and_labels(monkeypatch):
-    drawn = []
-    original = matplotlib.text.Text.draw
-
-    def draw_and_record(self, renderer):
-        original(self, renderer)
-        if self.get_visible() and self.get_text().strip():
-            drawn.append((self.get_text(), self.get_window_extent(renderer)))
-
-    monkeypatch.setattr(matplotlib.text.Text, "draw", draw_and_record)
+def test_the_tensor_parallel_picture_has_its_three_panels_and_labels(drawn_texts):
+    drawn = drawn_texts
     fig = draw_tensor_parallel()
     assert isinstance(fig, Figure)
     assert [ax.get_title() for ax in fig.axes] == list(TITLES)
