@@ -10,7 +10,7 @@ import pytest
 
 import pipelab as pl
 from pipelab.show.widgets import SCHEDULES, UNIT, explorer, explorer_figures, explorer_view, run_for_real
-from test_figures_fit import assert_texts_inside, drawn_texts  # noqa: F401  (a fixture)
+from test_figures_fit import assert_texts_inside
 
 
 @pytest.mark.parametrize("p, m, v", [(4, 8, 2), (4, 8, 4), (2, 6, 3), (8, 16, 2), (1, 3, 2)])
@@ -106,6 +106,6 @@ def test_real_runs_of_the_new_schedules():
 
 @pytest.mark.parametrize("schedule, p, m", [("interleaved-1f1b", 4, 8), ("interleaved-1f1b", 16, 64),
                                             ("zb-h1", 4, 8), ("zb-h1", 16, 64), ("pipedream-async", 8, 16)])
-def test_the_new_schedules_pictures_fit(drawn_texts, schedule, p, m):  # noqa: F811
+def test_the_new_schedules_pictures_fit(drawn_texts, schedule, p, m):
     for fig in explorer_figures(explorer_view(p, m, schedule, memory_budget=2.0, n_chunks=4)):
         assert_texts_inside(fig, drawn_texts)
