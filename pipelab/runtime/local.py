@@ -139,6 +139,7 @@ class Pipeline:
                                     fused_accumulation=fused_accumulation)
         self.asynchronous = self.schedule.asynchronous
         self.warmed_up = not warm_up  # set once the warm-up has run
+        self.warmed_up_forward = not warm_up  # the same for `infer`'s forward-only pass
         self.order = run_dependencies(self.schedule, duration=lambda a: 1.0).time_order()
         device_of_stage = self.schedule.device_of_stage()
         self.wall_clock = (
@@ -223,11 +224,13 @@ class Pipeline:
         chunks = microbatch.split(inputs, self.n_microbatches)
         check_traced(self.partition, self.model, chunks)
         with intra_op_threads(self.threads), torch.no_grad():
-            message = None
-            for worker in self.workers.values():  # warm up, untimed: PyTorch's kernels start lazily
-                worker.start_step(chunks[:1], [None], [1.0])
-            for s in range(self.n_stages):
-                message = self._warm_up_action(Action(Kind.E, s, 0), message)
+            if not self.warmed_up_forward:  # once, untimed: PyTorch's kernels start lazily
+                message = None
+                for worker in self.workers.values():
+                    worker.start_step(chunks[:1], [None], [1.0])
+                for s in range(self.n_stages):
+                    message = self._warm_up_action(Action(Kind.E, s, 0), message)
+                self.warmed_up_forward = True
             observer = MemoryObserver(schedule.device_of_stage(), self.parameters())
             for worker in self.workers.values():
                 worker.start_step(chunks, [None] * len(chunks), [1.0] * len(chunks), observer)
