@@ -24,6 +24,7 @@ from .predict.budget import DeviceMemory, MemoryBudgetError, check_memory_budget
 from .predict.costs import Costs
 from .predict.layout import Layout
 from .predict.planner import Plan, PlanRow, TransformerSpec, plan
+from .predict.profiled_model import ProfiledModel
 from .predict.schedule_search import search_schedule
 from .predict.simulate import simulate
 from .runtime.checkpoint import CheckpointError
@@ -61,6 +62,6 @@ __all__ = [
     "Event", "Layout", "MemoryBudgetError", "MemorySample", "Message", "Partition", "Pipeline", "PipelineError",
     "Schedule", "ScheduleError", "StepResult", "Trace", "Wait", "about", "check_memory_budget", "describe",
     "device_memory", "max_gradient_difference", "microbatch", "models",
-    "Plan", "PlanRow", "TransformerSpec", "plan",
+    "Plan", "PlanRow", "ProfiledModel", "TransformerSpec", "plan",
     "schedules", "search_schedule", "simulate", "single_device_gradients", "split", *LAZY,
 ]

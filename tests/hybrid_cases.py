@@ -40,6 +40,7 @@ def run_layouts(cases: list[tuple], count: bool = False) -> list[dict]:
             "coordinates": (pipe.dp_index, pipe.pp_index, pipe.tp_index),
             "parameter_bytes": pipe.parameter_bytes(),
             "counts": counter.totals() if count else None,
+            "mesh": id(pipe.mesh),
         })
     return found
 

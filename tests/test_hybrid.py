@@ -92,6 +92,13 @@ def test_pp_tp_and_pp_dp_and_tp_dp_on_four_ranks():
     per_rank = pl.distributed.launch(cases.run_layouts, 4, grid, True, timeout_seconds=300)
     check_exact(grid, per_rank)
     check_counts(grid, per_rank)
+    # one DeviceMesh per layout in a process, shared by its pipelines (each new mesh would add process groups
+    # and their threads for good): the twelve pipelines exact above ran on three meshes
+    for rank in per_rank:
+        meshes = {}
+        for (_, shape, _, _), found in zip(grid, rank):
+            assert meshes.setdefault(shape, found["mesh"]) == found["mesh"]
+        assert len(set(meshes.values())) == 3
     # by hand, tiny GPT (s=6, h=16) PP2 × TP2, rank 0 (stage 0: embedding + 2 layers), 19 samples:
     # pp: 4 activations of b·6·16/2 = 19·48 = 912 elements; tp: 2 layers · 4 all-reduces of b·96 = 8·19·96
     gpt_pp_tp = grid.index(("gpt", (1, 2, 2), "1f1b", 4))

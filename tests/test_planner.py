@@ -191,6 +191,25 @@ def test_rejects_bad_input_with_a_clear_message():
         plan(**{**base, "model": pl.Costs()})
 
 
+def test_achieved_fraction_per_micro_batch_size_trades_bubble_against_small_multiplies():
+    """SC21 §3.4: with one speed for every b the planner takes the smallest micro-batches (least bubble); when
+    b = 1 reaches a quarter of the speed of b = 8, the step's compute time says so, and b = 1 is no longer best."""
+    base = {"model": GPT2_SMALL, "n_devices": 4, "devices_per_node": 4, "memory_bytes": 80 * GIB, "global_batch": 32,
+            "inside": NVLINK, "between": INFINIBAND, "peak_flops_per_second": 1e14, "micro_batch_sizes": (1, 8),
+            "schedules": ("1f1b",), "recompute": ("none",)}
+    flat = plan(**base, achieved_fraction=0.5)
+    pipelined = [r for r in flat.rows if r.layout == pl.Layout(pp=4)]
+    assert min(pipelined, key=lambda r: r.step_seconds).micro_batch_size == 1
+    graded = plan(**base, achieved_fraction={1: 0.125, 8: 0.5})
+    by_b = {r.micro_batch_size: r for r in graded.rows if r.layout == pl.Layout(pp=4)}
+    same = {r.micro_batch_size: r for r in pipelined}
+    assert by_b[1].seconds["compute"] == pytest.approx(4 * same[1].seconds["compute"])
+    assert by_b[8].seconds["compute"] == pytest.approx(same[8].seconds["compute"])
+    assert by_b[8].step_seconds < by_b[1].step_seconds
+    with pytest.raises(ValueError, match=r"no share for the micro-batch sizes \[8\]"):
+        plan(**base, achieved_fraction={1: 0.5})
+
+
 # --- against the paper -----------------------------------------------------------------------------------------
 
 SC21_CASES = [pytest.param(*row, id=row[0]) for row in SC21_TABLE_1]

@@ -14,7 +14,8 @@ stage (⌈L/p⌉ layers plus the output layer, which the last stage runs), per m
     T_F = F/(t·X) + 2·(L/p)·AR + v·msg                     F: forward FLOPs (transformer_memory.py)
     T_B = (2F + R)/(t·X) + (2 or 4)·(L/p)·AR + v·msg       R: recomputed FLOPs; full recomputation runs
                                                              the 2 forward all-reduces again
-    X = peak_flops_per_second · achieved_fraction
+    X = peak_flops_per_second · achieved_fraction(b, t)   a number, or one per micro-batch size b (and t)
+                                                             (small multiplies reach less of the peak, SC21 §3.4)
     AR = ring all-reduce of b·s·h values over t on the "tp" link: 2(t−1)/t·A/bw + 2(t−1)·latency
          (Megatron-LM: 2 forward, 2 backward per layer; Shoeybi et al. 2019 §3, comm_formulas.py)
     msg = latency + (A/t)/bw on the "pp" link, then an all-gather of it over t (SC21 §4.1's
@@ -48,21 +49,26 @@ Memory per device, the larger of the first and the last stage (ZeRO §3 for the 
                  micro-batches = p·(1 + (p−1)/(p·v)) (Megatron's warm-up count); on the last stage
                  GPipe m, 1F1B 1, interleaved ((v−1)·p + 1)/v
 
-Left out: GEMM efficiency that grows with b (SC21 §3.4: here larger micro-batches only add bubble and
-memory), overlap of communication with compute, the tied-embedding all-reduce between first and last
-stage, the optimizer step's time, ZeRO's sharded states, and the per-block profiled path (`Costs`).
+Left out: GEMM efficiency that grows with b unless `achieved_fraction` gives it per b (SC21 §3.4; with
+one number larger micro-batches only add bubble and memory), overlap of communication with compute, the
+tied-embedding all-reduce between first and last stage, the optimizer step's time, ZeRO's sharded states.
+
+A `ProfiledModel` (profiled_model.py) replaces the closed forms of the busiest stage by its measured
+blocks: the same pipeline, message, all-reduce and memory formulas take its seconds and bytes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .budget import format_bytes
 from .communication import pipeline_sent, ring_allreduce_elements_per_device
 from .hybrid_costs import Link, all_reduce_seconds
 from .layout import Layout
+from .profiled_model import ProfiledModel
+from .stage_work import StageWork
 from .transformer_memory import (
     RECOMPUTE,
     SCHEDULES,
@@ -171,20 +177,33 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan(model: TransformerSpec, n_devices: int, devices_per_node: int, memory_bytes: float, global_batch: int,
-         inside: Link | tuple[float, float], between: Link | tuple[float, float], peak_flops_per_second: float,
-         achieved_fraction: float = 0.5, micro_batch_sizes: Sequence[int] = (1, 2, 4, 8),
-         schedules: Sequence[str] = SCHEDULES, chunks: Sequence[int] = (2, 4), recompute: Sequence[str] = RECOMPUTE,
-         sequence_parallel: bool = False, weight_share: float = 0.5) -> Plan:
+def plan(model: TransformerSpec | ProfiledModel, n_devices: int, devices_per_node: int, memory_bytes: float,
+         global_batch: int, inside: Link | tuple[float, float], between: Link | tuple[float, float],
+         peak_flops_per_second: float | None = None, achieved_fraction: float | Mapping = 0.5,
+         micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = SCHEDULES,
+         chunks: Sequence[int] = (2, 4), recompute: Sequence[str] = RECOMPUTE, sequence_parallel: bool = False,
+         weight_share: float = 0.5) -> Plan:
     """Every layout of `model` on `n_devices`, ranked by predicted step time (module docstring).
 
-    `inside`, `between`: the (latency seconds, bandwidth bytes/s) of a link inside a node and between
-    nodes, per device (nominal or measured: a `hybrid_costs.Link` or a pair).  `micro_batch_sizes`: the
-    b to try, those that divide B/d.  `chunks`: the v to try for the interleaved schedule.
+    `model`: a `TransformerSpec` (closed forms; needs `peak_flops_per_second`) or a `ProfiledModel` (its
+    blocks measured: seconds instead of FLOPs, tp = 1, its own micro-batch size, no selective recomputation;
+    `profiled_model.py`).  `inside`, `between`: the (latency seconds, bandwidth bytes/s) of a link inside a
+    node and between nodes, per device (nominal or measured: a `hybrid_costs.Link` or a pair).
+    `micro_batch_sizes`: the b to try, those that divide B/d.  `achieved_fraction`: the share of the peak
+    the multiplies reach, one number, or {b: share} for every b tried, or {(b, t): share} (a t-way sharded
+    layer's multiplies are smaller; measured per micro-batch size and tensor-parallel degree, as
+    `course/planner_check.py` does).  `chunks`: the v to try for the interleaved schedule.
     """
-    if not isinstance(model, TransformerSpec):
-        raise TypeError(f"model must be a TransformerSpec(layers, hidden, heads, seq, vocab), got "
-                        f"{type(model).__name__} (a profiled model's Costs are not supported by plan yet)")
+    if isinstance(model, ProfiledModel):
+        micro_batch_sizes, recompute = (model.micro_batch_size,), [r for r in recompute if r != "selective"]
+        peak_flops_per_second, achieved_fraction = 1.0, 1.0  # unused: the profile gives seconds
+    elif not isinstance(model, TransformerSpec):
+        raise TypeError(f"model must be a TransformerSpec(layers, hidden, heads, seq, vocab) or a "
+                        f"pl.ProfiledModel (pl.ProfiledModel.measure(model, sample, loss_fn)), got "
+                        f"{type(model).__name__}")
+    elif peak_flops_per_second is None:
+        raise ValueError("a TransformerSpec's step is FLOPs over a speed: give peak_flops_per_second (and "
+                         "achieved_fraction)")
     for name, value in (("n_devices", n_devices), ("devices_per_node", devices_per_node),
                         ("global_batch", global_batch)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -192,7 +211,15 @@ def plan(model: TransformerSpec, n_devices: int, devices_per_node: int, memory_b
     for name, value in (("memory_bytes", memory_bytes), ("peak_flops_per_second", peak_flops_per_second)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
             raise ValueError(f"{name} must be a positive, finite number, got {value!r}")
-    if not 0 < achieved_fraction <= 1:
+    fractions = (dict(achieved_fraction) if isinstance(achieved_fraction, Mapping)
+                 else {b: achieved_fraction for b in micro_batch_sizes})
+    tp_degrees = sorted({layout.tp for layout in Layout.all_for(n_devices)})
+    missing = [b for b in micro_batch_sizes if b not in fractions and any((b, t) not in fractions for t in tp_degrees)]
+    if missing:
+        raise ValueError(f"achieved_fraction gives no share for the micro-batch sizes {missing} (it covers "
+                         f"{sorted(fractions, key=str)}); give one for every size in micro_batch_sizes, as b or as "
+                         f"(b, tp) for every tp in {tp_degrees}")
+    if not all(isinstance(f, (int, float)) and not isinstance(f, bool) and 0 < f <= 1 for f in fractions.values()):
         raise ValueError(f"achieved_fraction is the share of the peak FLOP/s the multiplies reach, in (0, 1]; "
                          f"got {achieved_fraction!r}")
     if not 0 <= weight_share <= 0.5:
@@ -208,7 +235,7 @@ def plan(model: TransformerSpec, n_devices: int, devices_per_node: int, memory_b
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in chunks):
         raise ValueError(f"chunks (interleaved's v) must be ints >= 2, got {list(chunks)}")
     inside, between = _pair(inside, "inside"), _pair(between, "between")
-    speed = peak_flops_per_second * achieved_fraction
+    speed = {key: peak_flops_per_second * fraction for key, fraction in fractions.items()}
     rows, impossible = [], []
     for layout in Layout.all_for(n_devices):
         why = _impossible(model, layout, global_batch)
@@ -216,8 +243,8 @@ def plan(model: TransformerSpec, n_devices: int, devices_per_node: int, memory_b
             impossible.append((layout, why))
             continue
         links = _links(layout, devices_per_node, inside, between)
-        found = [_row(model, layout, b, global_batch // (b * layout.dp), name, v, rc, links, speed, memory_bytes,
-                      sequence_parallel, weight_share)
+        found = [_row(_work(model, layout, b, name, v, rc, speed, sequence_parallel, weight_share), layout, b,
+                      global_batch // (b * layout.dp), name, v, rc, links, memory_bytes)
                  for b in micro_batch_sizes if (global_batch // layout.dp) % b == 0
                  for name, v in _schedules(model, layout, global_batch // (b * layout.dp), schedules, chunks)
                  for rc in recompute]
@@ -255,10 +282,16 @@ def _links(layout: Layout, per_node: int, inside: tuple[float, float], between: 
     return {dim: Link(*(inside if one_node(span) else between)) for dim, span in spans.items()}
 
 
-def _impossible(model: TransformerSpec, layout: Layout, global_batch: int) -> str:
+def _impossible(model: TransformerSpec | ProfiledModel, layout: Layout, global_batch: int) -> str:
     d, p, t = layout.shape
     if global_batch % d:
         return f"the global batch of {global_batch} sequences does not split over dp={d} replicas"
+    if isinstance(model, ProfiledModel):
+        if t > 1:
+            return f"tp={t}: a profiled model's blocks have no tensor-parallel plan (tp=1 only)"
+        if p > model.n_blocks:
+            return f"pp={p} stages for {model.n_blocks} profiled blocks would leave a stage empty"
+        return ""
     if model.heads % t:
         return f"tp={t} does not divide the {model.heads} attention heads"
     if p > model.layers:
@@ -266,64 +299,82 @@ def _impossible(model: TransformerSpec, layout: Layout, global_batch: int) -> st
     return ""
 
 
-def _schedules(model: TransformerSpec, layout: Layout, m: int, names: Sequence[str], chunks: Sequence[int]):
-    """(name, v) pairs whose closed form applies to this layout and m."""
+def _schedules(model: TransformerSpec | ProfiledModel, layout: Layout, m: int, names: Sequence[str],
+               chunks: Sequence[int]):
+    """(name, v) pairs whose closed form applies to this layout and m (a profiled model: p·v <= its blocks)."""
     p = layout.pp
+    fits = ((lambda v: p * v <= model.n_blocks) if isinstance(model, ProfiledModel)
+            else (lambda v: model.layers % (p * v) == 0))
     for name in names:
         if name in ("gpipe", "1f1b") or (name == "zb-h1" and p > 1 and m >= p):
             yield name, 1
         elif name == "interleaved" and p > 1 and m % p == 0:
-            yield from ((name, v) for v in chunks if model.layers % (p * v) == 0)
+            yield from ((name, v) for v in chunks if fits(v))
 
 
-def _row(model: TransformerSpec, layout: Layout, b: int, m: int, schedule: str, v: int, recompute: str,
-         links: dict[str, Link], speed: float, limit: float, sequence_parallel: bool, weight_share: float) -> PlanRow:
-    d, p, t = layout.shape
-    layers = math.ceil(model.layers / p)  # the busiest stage
+def _work(model, layout: Layout, b: int, schedule: str, v: int, recompute: str, speed: dict,
+          sequence_parallel: bool, weight_share: float) -> StageWork:
+    if isinstance(model, ProfiledModel):
+        return model.stage_work(layout.pp, v, recompute, weight_share, split_weight=schedule == "zb-h1")
+    return _transformer_work(model, layout, b, schedule, recompute, speed.get((b, layout.tp), speed.get(b)),
+                             sequence_parallel, weight_share)
+
+
+def _transformer_work(model: TransformerSpec, layout: Layout, b: int, schedule: str, recompute: str, speed: float,
+                      sequence_parallel: bool, weight_share: float) -> StageWork:
+    """The busiest stage of a `TransformerSpec` (module docstring): ⌈L/p⌉ layers and the output layer."""
+    _, p, t = layout.shape
+    layers = math.ceil(model.layers / p)
     forward_flops = layers * model.layer_forward_flops(b) + model.logits_forward_flops(b)
     again = {"none": 0.0, "selective": layers * model.attention_core_flops(b),
              "full": layers * model.layer_forward_flops(b)}[recompute]
-    compute_f, compute_b = forward_flops / (t * speed), (2 * forward_flops + again) / (t * speed)
-    boundary = model.boundary_bytes(b)
+    h = model.hidden
+    body = layers * model.layer_parameters / t + model.embedding_parameters / t
+    kept = layers * model.layer_activation_bytes(b, t, recompute, sequence_parallel)
+    return StageWork(forward=forward_flops / (t * speed), backward=(2 * forward_flops + again) / (t * speed),
+                     weight=weight_share * 2 * forward_flops / (t * speed) if schedule == "zb-h1" else 0.0,
+                     all_reduces_forward=2 * layers,
+                     all_reduces_backward=2 * layers + (2 * layers if recompute == "full" else 0),
+                     boundary_bytes=model.boundary_bytes(b),
+                     parameters=(body + model.seq * h + (2 * h if p == 1 else 0), body + 2 * h),
+                     kept_bytes=(kept, kept), working_bytes=model.working_bytes(b, t, recompute, sequence_parallel),
+                     bytes_per_value=model.bytes_per_value)
+
+
+def _row(work: StageWork, layout: Layout, b: int, m: int, schedule: str, v: int, recompute: str,
+         links: dict[str, Link], limit: float) -> PlanRow:
+    d, p, t = layout.shape
+    boundary = work.boundary_bytes
     one_ar = all_reduce_seconds(boundary, t, links["tp"])
-    ar_f, ar_b = 2 * layers, 2 * layers + (2 * layers if recompute == "full" else 0)
+    ar_f, ar_b = work.all_reduces_forward, work.all_reduces_backward
     gather = 0.0 if t == 1 else ((t - 1) / t * boundary / links["tp"].bandwidth + (t - 1) * links["tp"].latency)
     message = 0.0 if p == 1 else links["pp"].latency + boundary / t / links["pp"].bandwidth + gather
-    t_f = compute_f + ar_f * one_ar + v * message
-    t_b = compute_b + ar_b * one_ar + v * message
-    t_w = weight_share * 2 * forward_flops / (t * speed) if schedule == "zb-h1" else 0.0
-    pipeline = pipeline_seconds(schedule, p, m, t_f, t_b - t_w, t_w, v)
+    t_f = work.forward + ar_f * one_ar + v * message
+    t_b = work.backward + ar_b * one_ar + v * message
+    pipeline = pipeline_seconds(schedule, p, m, t_f, t_b - work.weight, work.weight, v)
     per = t_f + t_b
     bubble_seconds = pipeline - m * per
-    memory, parameters = _memory(model, layout, b, m, schedule, v, recompute, sequence_parallel)
-    dp_seconds = all_reduce_seconds(parameters * model.bytes_per_value, d, links["dp"])
+    memory = _memory(work, p, m, schedule, v)
+    dp_seconds = all_reduce_seconds(work.parameters[0] * work.bytes_per_value, d, links["dp"])
     sent = {"pp": m * v * pipeline_sent(boundary / t, p),
             "pp_gather": 0.0 if p == 1 else m * v * min(2, p - 1) * (t - 1) / t * boundary,
             "tp": m * (ar_f + ar_b) * ring_allreduce_elements_per_device(boundary, t),
-            "dp": ring_allreduce_elements_per_device(parameters * model.bytes_per_value, d)}
-    seconds = {"compute": m * (compute_f + compute_b), "tp": m * (ar_f + ar_b) * one_ar,
+            "dp": ring_allreduce_elements_per_device(work.parameters[0] * work.bytes_per_value, d)}
+    seconds = {"compute": m * (work.forward + work.backward), "tp": m * (ar_f + ar_b) * one_ar,
                "pp": m * 2 * v * message, "bubble": bubble_seconds, "dp": dp_seconds}
     reason = "" if memory.total <= limit else _reason(memory, limit, layout, schedule, recompute)
     return PlanRow(layout, schedule, v, recompute, b, m, pipeline + dp_seconds, bubble_seconds / (m * per), memory,
                    sent, seconds, reason)
 
 
-def _memory(model: TransformerSpec, layout: Layout, b: int, m: int, schedule: str, v: int, recompute: str,
-            sequence_parallel: bool) -> tuple[DeviceBytes, float]:
-    """(the busier of the first and the last stage, the first stage's parameter count) (module docstring)."""
-    _, p, t = layout.shape
-    layers = math.ceil(model.layers / p)
-    h, size = model.hidden, model.bytes_per_value
-    body = layers * model.layer_parameters / t + model.embedding_parameters / t
-    first = body + model.seq * h + (2 * h if p == 1 else 0)
-    last = body + 2 * h
-    per_layer = model.layer_activation_bytes(b, t, recompute, sequence_parallel)
-    working = model.working_bytes(b, t, recompute, sequence_parallel)
+def _memory(work: StageWork, p: int, m: int, schedule: str, v: int) -> DeviceBytes:
+    """The busier of the first and the last stage's device (module docstring)."""
+    size = work.bytes_per_value
     in_flight = microbatches_in_flight(schedule, p, m, v)
     optimizer = 8 if size == 4 else 12  # fp32 Adam's two moments; mixed precision's fp32 copy and both moments
-    stages = [DeviceBytes(n * size, n * size, n * optimizer, k * layers * per_layer + working)
-              for n, k in zip((first, last), in_flight)]
-    return max(stages, key=lambda s: s.total), first
+    stages = [DeviceBytes(n * size, n * size, n * optimizer, k * kept + work.working_bytes)
+              for n, k, kept in zip(work.parameters, in_flight, work.kept_bytes)]
+    return max(stages, key=lambda s: s.total)
 
 
 def _reason(memory: DeviceBytes, limit: float, layout: Layout, schedule: str, recompute: str) -> str:

@@ -94,11 +94,27 @@ class HybridMesh:
 
     @classmethod
     def build(cls, layout: Layout, backend: str) -> "HybridMesh":
-        mesh = init_device_mesh("cuda" if backend == "nccl" else "cpu", layout.shape, mesh_dim_names=DIMENSIONS)
-        return cls(layout, mesh, *layout.coordinates(dist.get_rank()))
+        return cls(layout, _mesh(layout.shape, "cuda" if backend == "nccl" else "cpu"),
+                   *layout.coordinates(dist.get_rank()))
 
     def group(self, dimension: str):
         return self.mesh[dimension].get_group()
+
+
+_MESHES: dict[tuple, tuple[Any, Any]] = {}  # (shape, device type) -> (the default group it was made in, the mesh)
+
+
+def _mesh(shape: tuple[int, int, int], device_type: str):
+    """The ("dp", "pp", "tp") DeviceMesh of `shape`, made once per process group: each new mesh makes new
+    process groups, whose threads stay until the process ends (a script building many pipelines of one
+    layout would pile them up).  A mesh is a set of groups, no state of a pipeline's, so pipelines share it;
+    the cache holds the default group it was made in, so a re-initialised world makes a new mesh."""
+    world = dist.distributed_c10d._get_default_group()  # private; kept as an object, compared with `is`
+    made_in, mesh = _MESHES.get((shape, device_type), (None, None))
+    if made_in is not world:
+        mesh = init_device_mesh(device_type, shape, mesh_dim_names=DIMENSIONS)
+        _MESHES[shape, device_type] = (world, mesh)
+    return mesh
 
 
 def check_plans(partition: Partition, plan_fn: Callable | None, tp: int) -> None:
