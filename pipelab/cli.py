@@ -84,6 +84,8 @@ def run(args: argparse.Namespace) -> int:
         if args.backend == "local":
             summary = train_local(args)
         else:
+            if args.stages == "auto" and args.nproc is None:
+                raise ValueError("--stages auto takes as many stages as ranks: give --nproc")
             nproc = args.stages if args.nproc is None else args.nproc
             gpus = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
             if gpus:

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from . import run_models
 from .runtime.distributed import DistributedPipeline
 from .runtime.local import Pipeline
+from .runtime.resume import Resumable
 from .schedules import by_name
 from .schedules.trace import Trace
 
@@ -51,7 +52,8 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
                      help="a model split by names: the modules where stages 1, 2, ... begin, comma-separated "
                           "(default: its repeated blocks cut evenly into --stages)")
     run.add_argument("--seq-len", type=positive, default=64, help="transformers: tokens per sample")
-    run.add_argument("--stages", type=positive, default=4, help="pipeline stages p")
+    run.add_argument("--stages", type=stages_or_auto, default=4,
+                     help="pipeline stages p; distributed: auto = the world size (what torchrun's elasticity gives)")
     run.add_argument("--microbatches", type=positive, default=8, help="micro-batches per step m")
     run.add_argument("--schedule", default="1f1b", help="gpipe or 1f1b")
     run.add_argument("--steps", type=positive, default=10)
@@ -64,8 +66,17 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--out", type=Path, default=Path("pipelab-out"), help="folder for the PNG and the Chrome trace")
     run.add_argument("--json", type=Path, default=None, help="also write the run's figures to this JSON file")
+    run.add_argument("--checkpoint", type=Path, default=None,
+                     help="distributed: a folder every rank sees; resume from its newest checkpoint, save into it "
+                          "every --checkpoint-every steps and log each step's loss (runtime/resume.py)")
+    run.add_argument("--checkpoint-every", type=positive, default=1, help="steps between checkpoints")
     run.add_argument("--timeout-seconds", type=float, default=60,
                      help="distributed: a rank waiting longer than this for another ends the run")
+
+
+def stages_or_auto(text: str) -> int | str:
+    """A positive int, or "auto" (the distributed engine: as many stages as ranks)."""
+    return "auto" if text == "auto" else positive(text)
 
 
 def positive(text: str) -> int:
@@ -91,23 +102,33 @@ def _stage_names(partition) -> list[str]:
     return [f"blocks {a}..{b - 1}" for a, b in partition.bounds]
 
 
-def _train(pipe, parameters, inputs, targets, args, show_progress: bool) -> tuple[list[float], list[float], Trace]:
+def _train(pipe, parameters, inputs, targets, args, show_progress: bool,
+           resumable: Resumable | None = None) -> tuple[list[float], list[float], Trace]:
     optimizer = torch.optim.Adam(parameters, lr=args.lr)
+    start = resumable.resume(pipe, optimizer) if resumable is not None else 0
     losses, step_seconds = [], []
-    steps = range(args.steps)
-    bar = tqdm(steps, desc=f"{pipe.schedule.name} p={pipe.n_stages} m={pipe.n_microbatches}", unit="step",
-               disable=not show_progress)
-    for _ in bar:
+    bar = tqdm(range(start, args.steps), desc=f"{pipe.schedule.name} p={pipe.n_stages} m={pipe.n_microbatches}",
+               unit="step", disable=not show_progress, initial=start, total=args.steps)
+    result = None
+    for k in bar:
         optimizer.zero_grad(set_to_none=True)
         result = pipe.step(inputs, targets)
         optimizer.step()
         losses.append(result.loss)
         step_seconds.append(result.wall_seconds)
         bar.set_postfix(loss=f"{result.loss:.4f}")
+        if resumable is not None:
+            resumable.after_step(pipe, optimizer, k, result.loss, args.steps)
+    if result is None:
+        raise ValueError(f"nothing to run: the checkpoint in {args.checkpoint} already holds all {args.steps} "
+                         "steps; give more --steps or another --checkpoint folder")
     return losses, step_seconds, result.trace
 
 
 def train_local(args) -> RunSummary:
+    if args.stages == "auto" or args.checkpoint is not None:
+        raise ValueError("--stages auto and --checkpoint are for the distributed engine (torchrun ... -m "
+                         "pipelab.launch, or pipelab run --backend distributed); give --stages a number")
     made = run_models.build(args)
     pipe = Pipeline(made.model, n_stages=args.stages, n_microbatches=args.microbatches, schedule=args.schedule,
                     devices=args.device, **_pipeline_options(args, made))
@@ -123,8 +144,9 @@ def train_rank(args) -> RunSummary:
     device = None if args.device == "auto" else args.device
     pipe = DistributedPipeline(made.model, n_microbatches=args.microbatches, schedule=_schedule(args),
                                devices=device, **_pipeline_options(args, made))
+    resumable = None if args.checkpoint is None else Resumable(args.checkpoint, args.checkpoint_every)
     losses, seconds, trace = _train(pipe, pipe.parameters(), made.inputs, made.targets, args,
-                                    show_progress=dist.get_rank() == 0)
+                                    show_progress=dist.get_rank() == 0, resumable=resumable)
     return RunSummary(pipe.schedule.name, pipe.n_stages, pipe.n_microbatches, pipe.partition.bounds,
                       _stage_names(pipe.partition), pipe.partition.method, [str(pipe.device)], "distributed",
                       pipe.world_size, losses, seconds, trace)
@@ -132,7 +154,8 @@ def train_rank(args) -> RunSummary:
 
 def _schedule(args):
     """The named schedule for --stages devices, so that a world size that differs is named as such."""
-    return by_name(args.schedule, args.stages, args.microbatches)
+    stages = dist.get_world_size() if args.stages == "auto" else args.stages
+    return by_name(args.schedule, stages, args.microbatches)
 
 
 def finish(summary: RunSummary, args) -> None:
