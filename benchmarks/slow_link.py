@@ -26,9 +26,12 @@ of A/t per boundary, 2 all-reduces of A per "layer" forward and 2 backward, one 
 Ψ/(p·t) after the drain).  An MLP block pair is Megatron's column + row Linear, one all-reduce each
 way, so `n_layers` = depth / 4 (two pairs make a "layer" of two all-reduces).
 
-The model, a deep and narrow MLP (depth 128, width 256, 8.4 M parameters = 33.7 MB, batch 256, m = 4
-micro-batches of 64): a narrow boundary is what pipeline parallelism sends, the parameters are what
-data parallelism sends, and every pair of layers is what tensor parallelism sends.
+The model, an MLP (depth 48, width 512, 12.6 M parameters = 50.4 MB, batch 512, m = 2 micro-batches
+of 256; `pipelab.course.applications.TWO_HOSTS_*`, which lesson 13 predicts): the boundary is what
+pipeline parallelism sends, the parameters are what data parallelism sends, and every pair of layers is
+what tensor parallelism sends.  Few, large all-reduces: each of TP's calls costs milliseconds on a CPU
+besides its bytes, and with 1024 small ones (an earlier 128 × 256 model) the calls, not the link, set TP's
+step.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from datetime import timedelta
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DEPTH, WIDTH, BATCH, MICROBATCHES = 128, 256, 256, 4
+DEPTH, WIDTH, BATCH, MICROBATCHES = 48, 512, 512, 2  # = applications.TWO_HOSTS_* (a test checks)
 RATES = {"1gbit": 1e9, "100mbit": 1e8}
 LAYOUTS = {"PP": (1, 2, 1), "DP": (2, 1, 1), "TP": (1, 1, 2)}  # (dp, pp, tp)
 

@@ -196,8 +196,9 @@ def greedy_text(model: nn.Module, prompts: torch.Tensor, new_tokens: int) -> tor
 
 
 # ------------------------------------------------------------------------------------- 5. two hosts, one link
-# benchmarks/slow_link.py's model (docs/two_hosts.md): a deep, narrow MLP, batch 256, 4 micro-batches of 64
-TWO_HOSTS_DEPTH, TWO_HOSTS_WIDTH, TWO_HOSTS_BATCH, TWO_HOSTS_MICROBATCHES = 128, 256, 256, 4
+# benchmarks/slow_link.py's model (docs/two_hosts.md): an MLP of 48 layers of width 512 (12.6 M parameters),
+# batch 512 in 2 micro-batches of 256: few, large all-reduces, so that TP's bytes, not its calls, show
+TWO_HOSTS_DEPTH, TWO_HOSTS_WIDTH, TWO_HOSTS_BATCH, TWO_HOSTS_MICROBATCHES = 48, 512, 512, 2
 TWO_HOSTS_LAYOUTS = {"PP": Layout(dp=1, pp=2, tp=1), "DP": Layout(dp=2, pp=1, tp=1), "TP": Layout(dp=1, pp=1, tp=2)}
 CROSSES = {"PP": "pp", "DP": "dp", "TP": "tp"}  # the one dimension whose traffic crosses the link
 
@@ -224,7 +225,7 @@ def time_one_microbatch(model: nn.Module, inputs: torch.Tensor, targets: torch.T
 
 
 def two_hosts_model(forward_seconds: float, backward_seconds: float) -> ModelCosts:
-    """The benchmark's model as `ModelCosts`: a 64 × 256 float32 activation at a boundary, 8.4 M float32
+    """The benchmark's model as `ModelCosts`: a 256 × 512 float32 activation at a boundary, 12.6 M float32
     parameters, and depth / 4 "layers" of 2 + 2 TP all-reduces (a block pair is one column + row Linear)."""
     width, depth = TWO_HOSTS_WIDTH, TWO_HOSTS_DEPTH
     parameters = depth * (width * width + width)
