@@ -19,6 +19,9 @@ then on real processes beside PyTorch's own forward-only schedule.
    and 1, 4 or 8 lanes, against one device (p = 1, all 16 prompts as one lane) and against one
    lane on the same p; every run's text asserted equal to the single device's.  Replayed: each
    op timed in this process, one clock per stage (`runtime/generation.py`).
+4. Generation on two real processes (`DistributedPipeline.generate`, gloo): the same GPT and prompts,
+   one stage per rank, 1, 2 or 4 lanes; tokens/s on the wall clock (the best of 3) and the text
+   asserted equal to part 3's.
 """
 
 from __future__ import annotations
@@ -106,10 +109,9 @@ def processes_table() -> None:
         print(f"{m:>3}  {ours * 1e3:18.1f}  {theirs * 1e3:31.1f}  {ours / theirs:6.2f}  {per_rank[-1][m]['difference']:.1e}")
 
 
-def generation_table() -> None:
+def generation_table() -> torch.Tensor:
     torch.set_num_threads(1)
-    gpt = pl.models.tiny_gpt(n_layers=8, d_model=512, n_heads=8, vocab_size=256, seq_len=64, seed=0).eval()
-    prompts = torch.randint(0, 256, (16, 8), generator=torch.Generator().manual_seed(0))
+    gpt, prompts = generation_model()
     print("\n3. generation: tiny GPT 8 x 512, 16 prompts of 8 tokens, 24 new tokens each (replayed)")
     print(f"{'p':>2} {'lanes':>5}  {'tokens/s':>9}  {'over one device':>15}  {'over one lane':>13}  {'bubble':>6}")
     reference, base, one_lane = None, None, {}
@@ -126,12 +128,41 @@ def generation_table() -> None:
             one_lane.setdefault(p, rate)
             print(f"{p:>2} {lanes:>5}  {rate:9.0f}  {rate / base:15.2f}  {rate / one_lane[p]:13.2f}  "
                   f"{result.trace.bubble_fraction:6.1%}")
+    return reference
+
+
+def generating_rank() -> list:
+    """Every rank: (lanes, tokens/s of the best of 3, the tokens) for 1, 2 and 4 lanes."""
+    torch.set_num_threads(1)
+    gpt, prompts = generation_model()
+    found = []
+    for lanes in (1, 2, 4):
+        pipe = pl.DistributedPipeline(gpt, n_microbatches=lanes, loss_fn=pl.models.default_loss(gpt))
+        pipe.generate(prompts[:lanes], 2)  # warm up
+        best = max((pipe.generate(prompts, 24) for _ in range(3)), key=lambda r: r.tokens_per_second)
+        found.append((lanes, best.tokens_per_second, best.tokens))
+    return found
+
+
+def generation_model():
+    gpt = pl.models.tiny_gpt(n_layers=8, d_model=512, n_heads=8, vocab_size=256, seq_len=64, seed=0).eval()
+    return gpt, torch.randint(0, 256, (16, 8), generator=torch.Generator().manual_seed(0))
+
+
+def processes_generation_table(reference: torch.Tensor) -> None:
+    per_rank = pl.distributed.launch(generating_rank, 2, timeout_seconds=300)
+    print("\n4. generation on two processes (gloo, wall clock, best of 3): the same GPT and prompts, one stage a rank")
+    print(f"{'lanes':>5}  {'tokens/s':>9}  {'over one lane':>13}")
+    for lanes, rate, tokens in per_rank[0]:
+        assert torch.equal(tokens, reference), "the single device's greedy text"
+        print(f"{lanes:>5}  {rate:9.0f}  {rate / per_rank[0][0][1]:13.2f}")
 
 
 def main() -> None:
     local_table()
     processes_table()
-    generation_table()
+    reference = generation_table()
+    processes_generation_table(reference)
 
 
 if __name__ == "__main__":

@@ -77,3 +77,45 @@ def test_bad_arguments_are_named():
         pipe.generate(torch.zeros(2, 3, dtype=torch.long), 4, lanes=3)
     with pytest.raises(ValueError, match="seq_len"):
         pipe.generate(torch.zeros(2, 20, dtype=torch.long), 8)
+
+
+def generate_on_every_rank(cases):
+    """On each rank: for (p-independent) cases (lanes, prompts seed), a DistributedPipeline's generation."""
+    found = []
+    for lanes, seed in cases:
+        gpt = model()
+        prompts = torch.randint(0, 50, (5, 6), generator=torch.Generator().manual_seed(seed))
+        pipe = pl.DistributedPipeline(gpt, n_microbatches=lanes, loss_fn=pl.models.default_loss(gpt))
+        result = pipe.generate(prompts, new_tokens=8)
+        found.append((result.tokens, [(e.stage, e.microbatch, e.start, e.end) for e in result.trace.events],
+                      result.tokens_per_second))
+    try:
+        hybrid = pl.DistributedPipeline(model(), n_microbatches=2, loss_fn=pl.models.default_loss(model()),
+                                        layout=pl.Layout(dp=torch.distributed.get_world_size()))
+        hybrid.generate(torch.zeros(2, 3, dtype=torch.long), 2)
+        refused = ""
+    except ValueError as error:
+        refused = str(error)
+    return found, refused
+
+
+@pytest.mark.parametrize("n_ranks", [2, 3])
+def test_generation_on_ranks_gives_the_single_devices_greedy_text(n_ranks):
+    """One stage per process: the hidden states go rank to rank, each token from the last rank back to rank 0."""
+    cases = [(1, 1), (2, 2), (5, 3)]
+    per_rank = pl.distributed.launch(generate_on_every_rank, n_ranks, cases, timeout_seconds=120)
+    for c, (lanes, seed) in enumerate(cases):
+        prompts = torch.randint(0, 50, (5, 6), generator=torch.Generator().manual_seed(seed))
+        expected = greedy_without_cache(model(), prompts, 8)
+        for found, _ in per_rank:  # every rank returns the same tokens and the same whole trace
+            tokens, events, rate = found[c]
+            assert torch.equal(tokens, expected)
+            assert events == per_rank[0][0][c][1] and rate > 0
+        events = per_rank[0][0][c][1]
+        assert sorted((s, i) for s, i, _, _ in events) == sorted(
+            (s, i) for s in range(n_ranks) for i in range(8 * lanes))
+        end = {(s, i): e for s, i, _, e in events}
+        for s, i, start, _ in events:  # each stage after the one before on the same lane and round
+            if s > 0:
+                assert start >= end[s - 1, i] - 0.05  # each rank's clock starts as it leaves one barrier
+    assert all("one stage per rank" in refused for _, refused in per_rank)

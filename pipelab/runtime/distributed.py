@@ -43,6 +43,7 @@ from . import checkpoint, clipping, comm_count, fingerprint
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .exchange import COLUMNS, StepExchange, StepRecord
+from .generation import GenerationResult, generate_on_ranks
 from .hybrid import (
     HybridMesh,
     ScatterGatherTransport,
@@ -381,6 +382,19 @@ class DistributedPipeline:
         last = self.workers.get(self.n_stages - 1)
         output = None if last is None else merged_outputs([last.outputs[i] for i in range(m)])
         return InferenceResult(output, trace, wall_seconds)
+
+    def generate(self, prompts: torch.Tensor, new_tokens: int, lanes: int | None = None) -> GenerationResult:
+        """Greedy generation through this pipeline's stages (a `pl.models.tiny_gpt`, one stage per rank, no
+        tensor or data parallelism), as `pl.Pipeline.generate`: `lanes` groups of prompts in flight (default:
+        the pipeline's m), a key/value cache per lane on every rank, the last rank's tokens sent back to rank 0
+        (`runtime/generation.py: generate_on_ranks`).  Call it on every rank with the same prompts; every rank
+        gets the prompts with their new tokens and the measured Trace."""
+        if self.hybrid is not None or len(self.stages) != 1:
+            raise ValueError("generate runs a plain pipeline with one stage per rank; build a DistributedPipeline "
+                             "without tensor or data parallelism and with a non-interleaved schedule")
+        with self._context():
+            return generate_on_ranks(self.partition.stages[self.stages[0]], self.stages[0], self.n_stages, self.group,
+                                     self.device, prompts, new_tokens, self.n_microbatches if lanes is None else lanes)
 
     def _run(self, schedule: Schedule, p2p: PointToPointTransport, transport, input_chunks: list, target_chunks: list,
              weights: list[float]) -> tuple[list[StepRecord], float]:

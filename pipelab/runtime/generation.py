@@ -12,7 +12,8 @@ Timing: each stage op is timed here, in one process on one thread, and the times
 with the dependencies (one clock per stage, as the local engine replays a step): stage s may run
 (r, j) once it is free and stage s − 1 has finished (r, j); stage 0 also waits for the token of
 (r − 1, j) from the last stage.  The Trace has one E per (stage, round, lane), micro-batch index
-r·m + j.
+r·m + j.  On ranks (`generate_on_ranks`, `DistributedPipeline.generate`) the same order runs for real:
+one stage per process, messages between them, each rank's clock measured.
 """
 
 from __future__ import annotations
@@ -40,10 +41,7 @@ class GenerationResult:
         return self.tokens.shape[0] * self.new_tokens / self.trace.makespan if self.trace.makespan else 0.0
 
 
-def generate(stages: list, devices: list, device_of_stage: dict[int, int], prompts: torch.Tensor, new_tokens: int,
-             lanes: int) -> GenerationResult:
-    """Greedy generation of `new_tokens` per prompt through `stages` (a split `pl.models.tiny_gpt`), `lanes` groups
-    of sequences in flight (module docstring)."""
+def _check(prompts: torch.Tensor, new_tokens: int, lanes: int) -> None:
     if not isinstance(prompts, torch.Tensor) or prompts.dim() != 2 or prompts.dtype not in (torch.int32, torch.int64):
         raise TypeError("prompts are token ids shaped (batch, prompt length), an integer tensor")
     for name, value in (("new_tokens", new_tokens), ("lanes", lanes)):
@@ -51,6 +49,13 @@ def generate(stages: list, devices: list, device_of_stage: dict[int, int], promp
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     if lanes > prompts.shape[0]:
         raise ValueError(f"{lanes} lanes need at least {lanes} prompts, got {prompts.shape[0]}")
+
+
+def generate(stages: list, devices: list, device_of_stage: dict[int, int], prompts: torch.Tensor, new_tokens: int,
+             lanes: int) -> GenerationResult:
+    """Greedy generation of `new_tokens` per prompt through `stages` (a split `pl.models.tiny_gpt`), `lanes` groups
+    of sequences in flight (module docstring)."""
+    _check(prompts, new_tokens, lanes)
     groups = microbatch.split(prompts, lanes)
     caches = [[{} for _ in stages] for _ in groups]  # lane -> stage -> its blocks' keys and values
     generated: list[list[torch.Tensor]] = [[] for _ in groups]
@@ -90,3 +95,74 @@ def _replay(seconds: dict, p: int, rounds: int, lanes: int, device_of_stage: dic
     n_devices = len(free)
     memory = [MemorySample(d, 0.0, 0) for d in range(n_devices)]
     return Trace(events, memory, "replayed", p, rounds * lanes, n_devices, "generation")
+
+
+def generate_on_ranks(stage, stage_index: int, n_stages: int, group, device: torch.device, prompts: torch.Tensor,
+                      new_tokens: int, lanes: int) -> GenerationResult:
+    """The same greedy generation with stage s on rank s of `group` (call it on every rank, the same prompts).
+
+    Each rank runs its stage for (round, lane) in the same order as `generate`: stage s > 0 receives the
+    lane's hidden states from rank s − 1 (a 3-int shape, then the values), stage 0 the lane's newest token
+    from the last rank (round 0: the prompt), and the last rank sends each token back to rank 0, which
+    closes the ring.  Sends do not block (`isend`), so rank 0 can go on with the next lanes.  The Trace
+    holds every rank's E actions as measured on its own clock from a common barrier; the tokens go from
+    the last rank to all."""
+    _check(prompts, new_tokens, lanes)
+    dist = torch.distributed
+    groups = microbatch.split(prompts, lanes)
+    ranks = [dist.get_global_rank(group, r) for r in range(n_stages)]
+    first, last = stage_index == 0, stage_index == n_stages - 1
+    caches = [{} for _ in groups]
+    generated: list[list[torch.Tensor]] = [[] for _ in groups]
+    sends, events = [], []
+
+    def send(tensor: torch.Tensor, to: int) -> None:
+        tensor = tensor.detach().cpu().contiguous() if device.type == "cpu" else tensor.contiguous()
+        sends.append((dist.isend(tensor, ranks[to], group=group), tensor))  # the tensor kept until it is sent
+
+    def receive(shape, dtype, source: int) -> torch.Tensor:
+        buffer = torch.empty(shape, dtype=dtype, device=device if device.type != "cpu" else "cpu")
+        dist.recv(buffer, ranks[source], group=group)
+        return buffer
+
+    dist.barrier(group)
+    begin_all = time.perf_counter()
+    with torch.no_grad():
+        for r in range(new_tokens):
+            for j, lane in enumerate(groups):
+                start = 0 if r == 0 else lane.shape[1] + r - 1
+                if not first:
+                    shape = receive((3,), torch.int64, stage_index - 1).tolist()
+                    x = receive(shape, torch.float32, stage_index - 1)
+                elif r == 0:
+                    x = lane
+                else:
+                    x = generated[j][-1] if last else receive((lane.shape[0], 1), torch.int64, n_stages - 1)
+                begin = time.perf_counter()
+                x = cached_forward(stage, x.to(device), caches[j], start)
+                if last:
+                    x = x[:, -1:].argmax(dim=-1)
+                if x.device.type == "cuda":
+                    torch.cuda.synchronize(x.device)
+                events.append(Event(Kind.E, stage_index, r * len(groups) + j, begin - begin_all,
+                                    time.perf_counter() - begin_all, stage_index))
+                if last:
+                    generated[j].append(x.cpu())
+                    if not first and r + 1 < new_tokens:
+                        send(x, 0)
+                else:
+                    send(torch.tensor(x.shape, dtype=torch.int64), stage_index + 1)
+                    send(x.float(), stage_index + 1)
+    for work, _ in sends:
+        work.wait()
+    width = prompts.shape[1] + new_tokens
+    tokens = (torch.cat([torch.cat([lane, *new], dim=1) for lane, new in zip(groups, generated)], dim=0)
+              if last else torch.empty(prompts.shape[0], width, dtype=torch.int64))
+    tokens = tokens.to(torch.int64)
+    dist.broadcast(tokens, ranks[-1], group=group)
+    every = [None] * n_stages
+    dist.all_gather_object(every, events, group=group)
+    memory = [MemorySample(d, 0.0, 0) for d in range(n_stages)]
+    trace = Trace([e for rank in every for e in rank], memory, "measured", n_stages, new_tokens * len(groups),
+                  n_stages, "generation", n_processes=n_stages)
+    return GenerationResult(tokens.to(prompts.dtype), trace, new_tokens)
