@@ -117,11 +117,11 @@ def generate_on_ranks(stage, stage_index: int, n_stages: int, group, device: tor
     sends, events = [], []
 
     def send(tensor: torch.Tensor, to: int) -> None:
-        tensor = tensor.detach().cpu().contiguous() if device.type == "cpu" else tensor.contiguous()
+        tensor = tensor.detach().to(device).contiguous()
         sends.append((dist.isend(tensor, ranks[to], group=group), tensor))  # the tensor kept until it is sent
 
     def receive(shape, dtype, source: int) -> torch.Tensor:
-        buffer = torch.empty(shape, dtype=dtype, device=device if device.type != "cpu" else "cpu")
+        buffer = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(buffer, ranks[source], group=group)
         return buffer
 
@@ -151,15 +151,16 @@ def generate_on_ranks(stage, stage_index: int, n_stages: int, group, device: tor
                     if not first and r + 1 < new_tokens:
                         send(x, 0)
                 else:
-                    send(torch.tensor(x.shape, dtype=torch.int64), stage_index + 1)
+                    send(torch.tensor(x.shape, dtype=torch.int64, device=x.device), stage_index + 1)
                     send(x.float(), stage_index + 1)
     for work, _ in sends:
         work.wait()
     width = prompts.shape[1] + new_tokens
     tokens = (torch.cat([torch.cat([lane, *new], dim=1) for lane, new in zip(groups, generated)], dim=0)
               if last else torch.empty(prompts.shape[0], width, dtype=torch.int64))
-    tokens = tokens.to(torch.int64)
+    tokens = tokens.to(device=device, dtype=torch.int64)  # NCCL broadcasts GPU tensors only
     dist.broadcast(tokens, ranks[-1], group=group)
+    tokens = tokens.cpu()
     every = [None] * n_stages
     dist.all_gather_object(every, events, group=group)
     memory = [MemorySample(d, 0.0, 0) for d in range(n_stages)]
