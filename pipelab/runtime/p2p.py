@@ -121,7 +121,7 @@ class PointToPointTransport:
         self.signatures = signatures
         self.local: dict[Action, Any] = {}  # messages between two stages of this rank
         self.sent_layouts: dict[tuple[int, int], Layout] = {}  # (stage, mb) -> the layout of the activation sent
-        self.sends: list[tuple[Any, torch.Tensor]] = []
+        self.sends: list[tuple[Any, torch.Tensor, int]] = []  # (the isend, its tensor kept alive, to whom)
         self.next_to_post = {sender: 0 for sender in self.channels}
         self.position = {m.consumer: (sender, k) for sender, queue in self.channels.items() for k, m in enumerate(queue)}
         self.waits: dict[Action, tuple[float, float]] = {}  # consumer action -> (start, end) of its wait
@@ -221,7 +221,7 @@ class PointToPointTransport:
             tensor = tensor.contiguous()
             work = dist.isend(tensor, group=self.group, group_dst=destination,
                               tag=_tag(action, self.n_microbatches, 2 + k))
-            self.sends.append((work, tensor))
+            self.sends.append((work, tensor, destination))
 
     def _announce(self, action: Action, layout: Layout, destination: int) -> None:
         """Send the layout the first time a micro-batch input of this shape crosses this boundary; later, check
@@ -238,13 +238,13 @@ class PointToPointTransport:
         length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         for slot, tensor in ((0, length), (1, data)):
             self.sends.append((dist.isend(tensor, group=self.group, group_dst=destination,
-                                          tag=_tag(action, self.n_microbatches, slot)), tensor))
+                                          tag=_tag(action, self.n_microbatches, slot)), tensor, destination))
         self.layouts_sent[key] = layout
 
     def finish(self) -> None:
         """Wait until every message this rank sent has gone (the tensors may then be freed)."""
-        for work, _ in self.sends:
-            self._wait(work, None, "sending its results")
+        for work, _, destination in self.sends:  # the peer named: a cut link ends the run with its host's name
+            self._wait(work, destination, f"sending its results to rank {destination}")
         self.sends.clear()
 
     def _wait(self, work, peer: int | None, doing: str) -> None:
