@@ -167,7 +167,9 @@ def test_a_cable_pulled_mid_step_ends_the_run_naming_the_lost_host_and_leaves_no
     output = tail(logs["a"], 20000)
     assert code_a not in (None, 0), output
     assert ended < CUT_TIMEOUT_SECONDS + 20, ended
-    assert "lost host hostB (rank 1): rank 0 lost rank 1 while waiting for" in output, output
+    # the host and the rank named, whatever rank 0 was doing when the cut came (a receive, the end-of-step
+    # sends, the trace's exchange: the cut lands anywhere in a step)
+    assert "lost host hostB (rank 1): rank 0 lost rank 1 while " in output, output
     while running(ranks) and time.monotonic() - pulled < CUT_TIMEOUT_SECONDS + 20:
         time.sleep(0.2)
     assert running(ranks) == [], f"ranks still running {time.monotonic() - pulled:.0f} s after the cut"
