@@ -20,11 +20,18 @@ address, GLOO_SOCKET_IFNAME = the veth, twice), started as `python benchmarks/sl
   each timed from a barrier to the slower rank's return (median), and the bytes that crossed the veth
   (its tx + rx counters, headers included) per step.
 
+Each of the three runs: the veth at full speed (no token bucket: the base below), then 1 Gbit/s, then
+100 Mbit/s.
+
 The prediction is `predict(layout, ModelCosts(...), {every dimension: Link(latency, bandwidth)}, m)`
 with the model's and the link's measured figures (hybrid_costs.py: compute divided by p·t, a message
 of A/t per boundary, 2 all-reduces of A per "layer" forward and 2 backward, one ring all-reduce of
 Ψ/(p·t) after the drain).  An MLP block pair is Megatron's column + row Linear, one all-reduce each
-way, so `n_layers` = depth / 4 (two pairs make a "layer" of two all-reduces).
+way, so `n_layers` = depth / 4 (two pairs make a "layer" of two all-reduces).  A second prediction,
+"full speed + link": the layout's step measured on the full-speed veth plus what `predict` says the
+slower link adds (`predicted_from_full_speed`).  It tests the link model alone: TP's step on a fast link is
+about 2.5x `predict`'s compute (DTensor's work on each of its 96 calls, the two ranks waiting for each
+other on two shared cores), which the first prediction leaves out on purpose.
 
 The model, an MLP (depth 48, width 512, 12.6 M parameters = 50.4 MB, batch 512, m = 2 micro-batches
 of 256; `pipelab.course.applications.TWO_HOSTS_*`, which lesson 13 predicts): the boundary is what
@@ -46,7 +53,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPTH, WIDTH, BATCH, MICROBATCHES = 48, 512, 512, 2  # = applications.TWO_HOSTS_* (a test checks)
-RATES = {"1gbit": 1e9, "100mbit": 1e8}
+RATES = {"full": None, "1gbit": 1e9, "100mbit": 1e8}  # None: no token bucket, the veth at full speed (run first)
+FULL_SPEED_SIZING = 2e9  # bits per second that size the bandwidth probe where the link has no rate
 LAYOUTS = {"PP": (1, 2, 1), "DP": (2, 1, 1), "TP": (1, 1, 2)}  # (dp, pp, tp)
 
 
@@ -69,7 +77,7 @@ def measure_link(nominal_bits_per_second: float) -> dict:
     import torch.distributed as dist
 
     rank = dist.get_rank()
-    payload = torch.zeros(int(nominal_bits_per_second / 8 * 0.25) // 4)
+    payload = torch.zeros(int((nominal_bits_per_second or FULL_SPEED_SIZING) / 8 * 0.25) // 4)
     ack = torch.zeros(1)
     rates = []
     for sender in (0, 1, 0, 1):
@@ -147,7 +155,8 @@ def rank_entry(args) -> None:
 # ------------------------------------------------------------------------------------------ the caller
 def run_rate(hosts, rate: str, port: int, steps: int, folder: Path) -> dict:
     """Both ranks of one rate's run, one per host; their figures (rank 0's JSON)."""
-    hosts.limit(rate)
+    if RATES[rate] is not None:
+        hosts.limit(rate)
     out = folder / f"{rate}.json"
     runs = []
     for rank, side in enumerate("ab"):
@@ -164,16 +173,27 @@ def run_rate(hosts, rate: str, port: int, steps: int, folder: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def predicted(found: dict, name: str) -> float:
+def predicted(found: dict, name: str, model: dict | None = None) -> float:
+    """`predict` of layout `name` with the link measured in `found` and the model measured there (or `model`)."""
     from pipelab.predict.hybrid_costs import Link, ModelCosts, predict
     from pipelab.predict.layout import Layout
 
-    model = found["model"]
+    model = found["model"] if model is None else model
     costs = ModelCosts(model["forward_seconds"], model["backward_seconds"], model["activation_bytes"],
                        n_layers=DEPTH // 4, parameter_bytes=model["parameter_bytes"])
     link = Link(found["link"]["latency"], found["link"]["bandwidth"])
     layout = Layout(*LAYOUTS[name])
     return predict(layout, costs, {"pp": link, "tp": link, "dp": link}, MICROBATCHES // layout.dp).step_seconds
+
+
+def predicted_from_full_speed(by_rate: dict, name: str, rate: str) -> float:
+    """The layout's step measured on the full-speed link, plus what `predict` says the slower link adds:
+    predict(link at `rate`) - predict(link at full speed), both with the full-speed run's model figures.
+    The step on a fast link carries what `predict` leaves out (TP: DTensor's work on every call, the
+    two ranks waiting for each other on shared cores); the difference tests the link model alone."""
+    full = by_rate["full"]
+    base = statistics.median(full["layouts"][name]["step_seconds"])
+    return base + predicted(by_rate[rate], name, full["model"]) - predicted(full, name)
 
 
 def table(by_rate: dict) -> str:
@@ -183,21 +203,34 @@ def table(by_rate: dict) -> str:
         lines.append(f"{rate}: link measured {link['bandwidth'] * 8 / 1e6:.0f} Mbit/s, latency "
                      f"{link['latency'] * 1e6:.0f} us; one micro-batch: F {model['forward_seconds'] * 1e3:.1f} ms, "
                      f"B {model['backward_seconds'] * 1e3:.1f} ms")
-    header = f"{'layout':6} {'link':>8} {'step ms':>9} {'MB on link/step':>16} {'predicted ms':>13} {'error':>7}"
+    header = (f"{'layout':6} {'link':>8} {'step ms':>9} {'MB on link/step':>16} {'predicted ms':>13} {'error':>7}"
+              f" {'full speed + link':>18} {'error':>7}")
     lines += ["", header, "-" * len(header)]
-    medians = {}
+    medians, errors = {}, {"predicted": [], "full speed + link": []}
     for name in LAYOUTS:
         for rate, found in by_rate.items():
             measured = statistics.median(found["layouts"][name]["step_seconds"])
             medians[name, rate] = measured
             guess = predicted(found, name)
-            lines.append(f"{name:6} {rate:>8} {measured * 1e3:9.1f} "
-                         f"{found['layouts'][name]['link_bytes_per_step'] / 1e6:16.2f} {guess * 1e3:13.1f} "
-                         f"{(guess - measured) / measured:+7.0%}")
+            line = (f"{name:6} {rate:>8} {measured * 1e3:9.1f} "
+                    f"{found['layouts'][name]['link_bytes_per_step'] / 1e6:16.2f} {guess * 1e3:13.1f} "
+                    f"{(guess - measured) / measured:+7.0%}")
+            if RATES[rate] is None:
+                line += f" {'(its base)':>18} {'':>7}"
+            else:
+                errors["predicted"].append(abs(guess - measured) / measured)
+                from_full = predicted_from_full_speed(by_rate, name, rate)
+                errors["full speed + link"].append(abs(from_full - measured) / measured)
+                line += f" {from_full * 1e3:18.1f} {(from_full - measured) / measured:+7.0%}"
+            lines.append(line)
     lines.append("")
-    fast, slow = list(RATES)
+    ratios = {name: medians[name, "100mbit"] / medians[name, "1gbit"] for name in LAYOUTS}
     lines.append("step at 100 Mbit/s / step at 1 Gbit/s:  " + "   ".join(
-        f"{name} {medians[name, slow] / medians[name, fast]:.2f}x" for name in LAYOUTS))
+        f"{name} {ratio:.2f}x" for name, ratio in ratios.items())
+        + f"  (targets: PP within 1.3x: {'met' if ratios['PP'] <= 1.3 else 'NOT met'}; DP and TP several-fold)")
+    for method, found in errors.items():
+        lines.append(f"prediction within 20 % at 1 Gbit/s and 100 Mbit/s, {method}: largest error "
+                     f"{max(found):.0%} ({'met' if max(found) <= 0.20 else 'NOT met'})")
     return "\n".join(lines)
 
 

@@ -206,7 +206,7 @@ class ExplorerPanels:
         legend = tuple(text.get_text() for text in ax.legend_.get_texts())
         key = (trace.n_devices, tuple(trace.device_names), legend)
         self.timeline_backdrop.draw(key, unchanging=[ax.yaxis, ax.legend_])
-        _pin_x_label(ax)
+        _pin_labels(ax)
         return _encode(self.timeline_figure)
 
     def _draw_memory(self, view: ExplorerView) -> bytes:
@@ -228,7 +228,7 @@ class ExplorerPanels:
         # a heat-map's device numbers stay while p does; lines change their axes and legend with every view
         key = ("heatmap", view.trace.n_devices, self.colorbar.extend) if heatmap else None
         self.memory_backdrop.draw(key, unchanging=[ax.yaxis])
-        _pin_x_label(ax)
+        _pin_labels(ax)
         return _encode(fig)
 
 
@@ -273,12 +273,15 @@ def _kept_figure():
     return figure, figure.add_subplot()
 
 
-def _pin_x_label(ax) -> None:
-    """Keep the x label where the draw just put it.  Left to itself matplotlib measures every tick
-    label again at each draw to place it, but the panels keep their bottom margin (in inches)
-    and their tick labels' height, so the place does not change."""
-    label = ax.xaxis.label
-    ax.xaxis.set_label_coords(*label.get_position(), transform=label.get_transform())
+def _pin_labels(ax) -> None:
+    """Keep the x label where the draw just put it, and an empty y label (the timeline's) too.  Left
+    to itself matplotlib measures every tick label again at each draw to place a label, even an
+    empty one; the panels keep their bottom margin (in inches) and their tick labels' height, so
+    the x label's place does not change."""
+    for axis in (ax.xaxis, ax.yaxis):
+        label = axis.label
+        if axis is ax.xaxis or not label.get_text():
+            axis.set_label_coords(*label.get_position(), transform=label.get_transform())
 
 
 def _empty(ax) -> None:
@@ -301,10 +304,11 @@ def _encode(fig) -> bytes:
     """
     import io
 
-    import numpy as np
     from PIL import Image
 
-    pixels = Image.fromarray(np.ascontiguousarray(np.asarray(fig.canvas.buffer_rgba())[..., :3]))
+    width, height = fig.canvas.get_width_height(physical=True)
+    rgba = Image.frombuffer("RGBA", (width, height), fig.canvas.buffer_rgba(), "raw", "RGBA", 0, 1)  # no copy
+    pixels = rgba.convert("RGB")  # the quantizer reads RGB: an RGBA palette would add a transparency chunk
     buffer = io.BytesIO()
     pixels.quantize(256, method=Image.Quantize.FASTOCTREE).save(buffer, format="png", compress_level=1)
     return buffer.getvalue()
