@@ -189,6 +189,13 @@ class TwoHosts:
         """Pull the cable: `ip link set <veth> down` on host `side` (the pair's other end goes down with it)."""
         _run(["ip", "-n", self.namespace[side], "link", "set", self.interface[side], "down"])
 
+    def give_up_on_tcp_after(self, side: str, retries: int) -> None:
+        """Set host `side`'s `net.ipv4.tcp_retries2` (a per-namespace sysctl; Linux's default is 15): how many
+        times TCP retransmits unacknowledged data before the connection fails with "Connection timed out".
+        With the 200 ms minimum retransmission timeout doubling each time, 5 retries give up after about
+        13 s and 15 after about 15 minutes."""
+        _run(["ip", "netns", "exec", self.namespace[side], "sysctl", "-q", "-w", f"net.ipv4.tcp_retries2={retries}"])
+
     def survivors(self) -> list[int]:
         """Pids still alive in any namespace made here (`ip netns pids`): what a clean end leaves is []."""
         pids = []
