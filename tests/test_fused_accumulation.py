@@ -163,3 +163,37 @@ def test_two_steps_without_zero_grad_add_up_at_the_real_threshold(fused):
     assert grads.keys() == reference.keys()
     for name in reference:
         torch.testing.assert_close(grads[name], reference[name], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_gpt2_split_by_names_fuses_its_conv1d_and_lm_head_and_two_steps_add_up(schedule, monkeypatch):
+    """A traced model: GPT-2's Conv1D multiplies (`aten.addmm(b, x, W)`) and its LM head (`aten.linear`, the tied
+    embedding) accumulate in the multiply.  Two steps without `zero_grad` give twice the single-device step's
+    gradients, padded tokens and all; a split backward (zero bubble) fuses none."""
+    pytest.importorskip("transformers")
+    from your_model_cases import SPLITS, make_batch, make_model, reference_gradients
+
+    calls = {"linear": 0, "addmm": 0}
+    for name, function in (("linear", fused_accumulation._LinearAccumulatingWeightGrad),
+                           ("addmm", fused_accumulation._AddmmAccumulatingWeightGrad)):
+        def counted(*args, _name=name, _apply=function.apply):
+            calls[_name] += 1
+            return _apply(*args)
+        monkeypatch.setattr(function, "apply", counted)
+    monkeypatch.setattr(fused_accumulation, "MIN_WEIGHT_ELEMENTS", 0)  # the test's 32-wide weights too
+    model, batch = make_model("gpt2"), make_batch("gpt2", padded=True)
+    _, reference = reference_gradients(model, batch)
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=3, schedule=schedule, split_points=SPLITS["gpt2"][0][:1],
+                       sample=batch, loss_normalization="tokens", devices="cpu", warm_up=False)
+    routed = [len(stage.routed_weights) for stage in pipe.partition.stages]
+    assert routed == [4, 3 * 4 + 1]  # 4 Conv1D a block (1 block, then 3), and the LM head
+    pipe.step(batch)
+    pipe.step(batch)
+    if schedule == "zb-h1":
+        assert calls == {"linear": 0, "addmm": 0}
+    else:  # 2 steps x 3 micro-batches through each routed multiply: 4 blocks of 4 Conv1D, one LM head
+        assert calls == {"linear": 2 * 3, "addmm": 2 * 3 * 4 * 4}
+    found = _grads(model)
+    assert found.keys() == reference.keys()
+    for name, grad in reference.items():
+        torch.testing.assert_close(found[name], 2 * grad, rtol=1e-5, atol=1e-6, msg=name)

@@ -7,8 +7,10 @@ its product into `weight.grad` itself, `weight.grad.addmm_(g_i^T, x_i)`, as Mega
 `--gradient-accumulation-fusion` does on GPUs.  Equal to plain autograd within float
 rounding (`tests/test_fused_accumulation.py`).
 
-Only `nn.Linear` weights of at least `MIN_WEIGHT_ELEMENTS` (512 x 512) that are plain
-parameters requiring grad, without hooks, are fused, and never under a split backward.
+Only weights of at least `MIN_WEIGHT_ELEMENTS` (512 x 512) that are plain parameters requiring
+grad, without hooks, are fused, and never under a split backward: those of `nn.Linear` modules,
+and in a model split by names (a traced graph) those of its `aten.linear(x, W, b)` and
+`aten.addmm(b, x, W)` (transformers' `Conv1D`: W is (in, out), dW = x^T g).
 Why that threshold (the ratios by layer width that `benchmarks/fused_accumulation.py`
 prints), the full scope and how it is switched on: docs/engines.md, "Fused weight-gradient
 accumulation".
@@ -16,6 +18,7 @@ accumulation".
 
 from __future__ import annotations
 
+from contextvars import ContextVar
 from functools import partial
 
 import torch
@@ -50,6 +53,68 @@ class _LinearAccumulatingWeightGrad(torch.autograd.Function):
         return grad_x, None, grad_bias
 
 
+class _AddmmAccumulatingWeightGrad(torch.autograd.Function):
+    """y = b + x W for a 2-D x and W of shape (in, out), whose backward adds x^T g into `W.grad`."""
+
+    @staticmethod
+    def forward(ctx, bias, x, weight):
+        ctx.save_for_backward(x, weight)
+        ctx.parameter, ctx.bias_shape = weight, bias.shape
+        return torch.addmm(bias, x, weight)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out.mm(weight.t()) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_out.sum_to_size(ctx.bias_shape) if ctx.needs_input_grad[0] else None  # undo the broadcast
+        parameter = ctx.parameter
+        if parameter.grad is None:
+            parameter.grad = x.t().mm(grad_out)
+        else:
+            parameter.grad.addmm_(x.t(), grad_out)
+        return grad_bias, grad_x, None
+
+
+_TRACED_FUSED: ContextVar[frozenset[int]] = ContextVar("pipelab_traced_fused", default=frozenset())
+"""The ids of the traced weights that accumulate in the multiply, for the `with FusedAccumulation` that set it."""
+
+
+def traced_linear(x, weight, bias=None):
+    """A traced graph's `aten.linear`, fused where the `with FusedAccumulation` around it says so."""
+    if (id(weight) in _TRACED_FUSED.get() and torch.is_grad_enabled() and _fusable(weight)
+            and not is_traceable_wrapper_subclass(x)):
+        return _LinearAccumulatingWeightGrad.apply(x, weight, bias)
+    return torch.ops.aten.linear.default(x, weight, bias)
+
+
+def traced_addmm(bias, x, weight):
+    """A traced graph's `aten.addmm` (transformers' `Conv1D`), fused where the `with FusedAccumulation` says so."""
+    if (id(weight) in _TRACED_FUSED.get() and torch.is_grad_enabled() and _fusable(weight)
+            and not is_traceable_wrapper_subclass(x)):
+        return _AddmmAccumulatingWeightGrad.apply(bias, x, weight)
+    return torch.ops.aten.addmm.default(bias, x, weight)
+
+
+def route_weight_multiplies(graph_module: torch.fx.GraphModule, weight_placeholders: set[str]) -> list[str]:
+    """Point the graph's `aten.linear(x, W, b)` and `aten.addmm(b, x, W)` whose W is one of the placeholders
+    named in `weight_placeholders` (the stage's parameters) at `traced_linear` / `traced_addmm`, which run them
+    as traced unless a `with FusedAccumulation` fuses that weight.  Returns the placeholders routed."""
+    routed = []
+    for node in graph_module.graph.nodes:
+        if node.op != "call_function" or node.kwargs:
+            continue
+        position = {torch.ops.aten.linear.default: 1, torch.ops.aten.addmm.default: 2}.get(node.target)
+        if position is None or len(node.args) <= position:
+            continue
+        weight = node.args[position]
+        if isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and weight.name in weight_placeholders:
+            node.target = traced_linear if position == 1 else traced_addmm
+            routed.append(weight.name)
+    if routed:
+        graph_module.recompile()
+    return routed
+
+
 def _fusable(weight) -> bool:
     return (isinstance(weight, torch.Tensor) and weight.is_leaf and weight.requires_grad
             and not is_traceable_wrapper_subclass(weight)
@@ -66,7 +131,8 @@ def _fused_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 class FusedAccumulation:
     """`with FusedAccumulation(module, parameters):` the Linear layers of `module` whose weight is among
     `parameters` (and qualifies, see the module docstring) accumulate their weight gradients in the
-    multiply.  Built once per stage; entered around each of its forwards."""
+    multiply, and so do the routed multiplies of its traced stages (`routed_weights`, set by
+    `pipelab.model.named_split`).  Built once per stage; entered around each of its forwards."""
 
     def __init__(self, module: nn.Module, parameters, min_weight_elements: int | None = None):
         wanted = {id(p) for p in parameters}
@@ -74,12 +140,17 @@ class FusedAccumulation:
         self.linears = [m for m in module.modules()
                         if isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
                         and id(m.weight) in wanted and m.weight.numel() >= smallest]
+        self.traced = frozenset(id(w) for m in module.modules() for w in getattr(m, "routed_weights", ())
+                                if id(w) in wanted and w.numel() >= smallest)
+        self._tokens = []
 
     def __enter__(self) -> "FusedAccumulation":
         for linear in self.linears:
             linear.forward = partial(_fused_forward, linear)
+        self._tokens.append(_TRACED_FUSED.set(self.traced))
         return self
 
     def __exit__(self, *exc) -> None:
         for linear in self.linears:
             linear.__dict__.pop("forward", None)
+        _TRACED_FUSED.reset(self._tokens.pop())

@@ -28,6 +28,7 @@ from torch.fx.passes.split_module import split_module
 from torch.utils._pytree import TreeSpec, tree_map, tree_unflatten
 
 from ..common.errors import PipelineError
+from .fused_accumulation import route_weight_multiplies
 from .stage import buffers_kept
 
 
@@ -50,6 +51,11 @@ class TracedStage(nn.Module):
                 self.tensors.register_parameter(key, tensor)
             else:
                 self.tensors.register_buffer(key, tensor)
+        # its multiplies by a parameter, routed so that a `with FusedAccumulation` can fuse them (as traced otherwise)
+        placeholders = [n.name for n in graph_module.graph.nodes if n.op == "placeholder"]
+        weights = {placeholder: tensors[name] for placeholder, (kind, name) in zip(placeholders, arguments)
+                   if kind == "tensor" and isinstance(tensors[name], nn.Parameter)}
+        self.routed_weights = [weights[p] for p in dict.fromkeys(route_weight_multiplies(graph_module, set(weights)))]
         self.inputs: tuple[TreeSpec, list[str], dict] | None = None  # stage 0: how a micro-batch becomes values
         self.outputs: tuple[list, TreeSpec] | None = None  # the last stage: the model's output, and its type
 
