@@ -20,8 +20,8 @@ address, GLOO_SOCKET_IFNAME = the veth, twice), started as `python benchmarks/sl
   each timed from a barrier to the slower rank's return (median), and the bytes that crossed the veth
   (its tx + rx counters, headers included) per step.
 
-Each of the three runs: the veth at full speed (no token bucket: the base below), then 1 Gbit/s, then
-100 Mbit/s.
+Three runs, in this order: the veth at full speed (no token bucket: the base of the second prediction
+below), 1 Gbit/s, 100 Mbit/s.
 
 The prediction is `predict(layout, ModelCosts(...), {every dimension: Link(latency, bandwidth)}, m)`
 with the model's and the link's measured figures (hybrid_costs.py: compute divided by p·t, a message

@@ -22,7 +22,8 @@ link, so each direction carries at most `rate`.  Everything made here carries on
 `pl2h<pid><n>` (at most 15 characters, Linux's limit for an interface name), and is
 removed by that name on leaving: every process group started, both namespaces (a
 namespace's veth end goes with it), the two /etc/netns folders (and /etc/netns itself when it was
-made here and is empty).  Nothing else is touched.
+made here and is empty).  A sysctl set with `give_up_on_tcp_after` lives in its namespace and goes
+with it.  Nothing else is touched.
 """
 
 from __future__ import annotations
