@@ -119,6 +119,9 @@ def test_the_two_hosts_model_is_the_benchmarks():
 
 
 def test_the_benchmarks_full_speed_prediction_adds_what_predict_says_the_slower_link_costs():
+    """A consistency check of the benchmark's arithmetic (the same `predict` on both sides): the full-speed step
+    plus predict's difference between the two links; the prediction itself is checked against measured steps
+    by the benchmark (docs/two_hosts.md)."""
     benchmark = _slow_link_benchmark()
     model = {"forward_seconds": 0.08, "backward_seconds": 0.16, "activation_bytes": 256 * 512 * 4,
              "parameter_bytes": 50_429_952}

@@ -81,18 +81,19 @@ _TRACED_FUSED: ContextVar[frozenset[int]] = ContextVar("pipelab_traced_fused", d
 
 def traced_linear(x, weight, bias=None):
     """A traced graph's `aten.linear`, fused where the `with FusedAccumulation` around it says so."""
-    if (id(weight) in _TRACED_FUSED.get() and torch.is_grad_enabled() and _fusable(weight)
-            and not is_traceable_wrapper_subclass(x)):
+    if id(weight) in _TRACED_FUSED.get() and _fuses(weight, x):
         return _LinearAccumulatingWeightGrad.apply(x, weight, bias)
     return torch.ops.aten.linear.default(x, weight, bias)
 
 
 def traced_addmm(bias, x, weight):
     """A traced graph's `aten.addmm` (transformers' `Conv1D`), fused where the `with FusedAccumulation` says so."""
-    if (id(weight) in _TRACED_FUSED.get() and torch.is_grad_enabled() and _fusable(weight)
-            and not is_traceable_wrapper_subclass(x)):
+    if id(weight) in _TRACED_FUSED.get() and _fuses(weight, x):
         return _AddmmAccumulatingWeightGrad.apply(bias, x, weight)
     return torch.ops.aten.addmm.default(bias, x, weight)
+
+
+_WEIGHT_POSITION = {torch.ops.aten.linear.default: 1, torch.ops.aten.addmm.default: 2}  # where W is in the args
 
 
 def route_weight_multiplies(graph_module: torch.fx.GraphModule, weight_placeholders: set[str]) -> list[str]:
@@ -103,7 +104,7 @@ def route_weight_multiplies(graph_module: torch.fx.GraphModule, weight_placehold
     for node in graph_module.graph.nodes:
         if node.op != "call_function" or node.kwargs:
             continue
-        position = {torch.ops.aten.linear.default: 1, torch.ops.aten.addmm.default: 2}.get(node.target)
+        position = _WEIGHT_POSITION.get(node.target)
         if position is None or len(node.args) <= position:
             continue
         weight = node.args[position]
@@ -115,6 +116,12 @@ def route_weight_multiplies(graph_module: torch.fx.GraphModule, weight_placehold
     return routed
 
 
+def _fuses(weight, x) -> bool:
+    """Whether this call may add into `weight.grad` itself: a gradient is being recorded, the weight qualifies,
+    and the input is a plain tensor."""
+    return torch.is_grad_enabled() and _fusable(weight) and not is_traceable_wrapper_subclass(x)
+
+
 def _fusable(weight) -> bool:
     return (isinstance(weight, torch.Tensor) and weight.is_leaf and weight.requires_grad
             and not is_traceable_wrapper_subclass(weight)
@@ -123,9 +130,9 @@ def _fusable(weight) -> bool:
 
 
 def _fused_forward(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    if not torch.is_grad_enabled() or not _fusable(linear.weight) or is_traceable_wrapper_subclass(x):
-        return F.linear(x, linear.weight, linear.bias)
-    return _LinearAccumulatingWeightGrad.apply(x, linear.weight, linear.bias)
+    if _fuses(linear.weight, x):
+        return _LinearAccumulatingWeightGrad.apply(x, linear.weight, linear.bias)
+    return F.linear(x, linear.weight, linear.bias)
 
 
 class FusedAccumulation:
