@@ -68,6 +68,7 @@ def run_cases(cases: list[tuple]) -> list[dict]:
             "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
             "freed": sorted(n for n, p in model.named_parameters() if p.device.type == "meta"),
             "trace": result.trace,
+            "op_seconds": result.op_seconds,
             "offset": (pipe.clock_offset, pipe.clock_error),
         })
     return found

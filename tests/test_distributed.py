@@ -63,6 +63,8 @@ def test_the_trace_is_measured_on_every_rank_and_shows_the_waits():
         trace = traces[0]
         slack = max(rank[k]["offset"][1] for rank in per_rank) * 2  # times of two ranks compare to within this
         assert traces[1].events == trace.events  # every rank returns the same complete trace
+        # summed from the records before the (lazily built) trace exists: the same as the trace's durations
+        assert per_rank[0][k]["op_seconds"] == pytest.approx(sum(trace.durations().values()), rel=1e-9)
         assert trace.source == "measured" and trace.n_processes == 2
         assert "2 processes" in trace.source_label
         assert sorted(map(str, (e.action for e in trace.events))) == sorted(map(str, sched.all_actions()))

@@ -123,6 +123,46 @@ def test_points_chosen_for_you_cut_the_repeated_blocks():
     assert [s.first_module for s in pipe.partition.stages][1:] == ["model.layers.2", "model.layers.4"]
 
 
+class HeavyHead(torch.nn.Module):
+    """Six equal blocks in a ModuleList, then a head of four more Linears of the same size outside it."""
+
+    def __init__(self, width: int = 384):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(width, width) for _ in range(6))
+        self.head = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return self.head(x).pow(2).mean()  # its own loss
+
+
+def test_time_counts_what_runs_after_the_blocks_on_the_last_one():
+    """Block costs [1, 1, 1, 1, 1, 1 + 4] (the head is four blocks' work): two balanced stages cut before
+    the last block (5 against 5), where counting blocks cuts at the middle and a time split blind to the
+    head would too."""
+    model, batch = HeavyHead(), {"x": torch.randn(512, 384, generator=torch.Generator().manual_seed(1))}
+    assert [s.first_module for s in pl.split(model, 2, sample=batch).stages][1:] == ["blocks.3"]
+    parts = pl.split(model, 2, method="time", sample=batch, repeats=3)
+    assert [s.first_module for s in parts.stages][1:] == ["blocks.5"]
+    assert all(p.grad is None for p in model.parameters())  # timing leaves the model's .grad as it was
+
+
+def time_split_on_ranks() -> dict:
+    model, batch = HeavyHead(), {"x": torch.randn(1024, 384, generator=torch.Generator().manual_seed(1))}
+    pipe = pl.DistributedPipeline(model, n_microbatches=2, schedule="1f1b", split_method="time", sample=batch)
+    return {"first": [pipe.partition.stages[s].first_module for s in pipe.stages], "loss": pipe.step(batch).loss}
+
+
+@pytest.mark.slow
+def test_a_time_split_by_names_is_timed_on_rank_0_and_the_same_on_every_rank():
+    first, second = pl.distributed.launch(time_split_on_ranks, 2, timeout_seconds=120)
+    assert first["first"] == ["blocks.0"] and second["first"] == ["blocks.5"]
+    batch = {"x": torch.randn(1024, 384, generator=torch.Generator().manual_seed(1))}
+    assert first["loss"] == second["loss"] == pytest.approx(float(HeavyHead()(**batch)), rel=1e-6)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("kind, n_ranks, schedule", [("gpt2", 3, "1f1b"), ("llama", 2, "zb-h1")])
 def test_tied_weights_across_ranks_train_as_on_one_device_and_checkpoint_into_the_plain_model(

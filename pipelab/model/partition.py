@@ -24,6 +24,7 @@ from ..common.checks import check_repeats
 from ..common.threads import intra_op_threads
 from . import microbatch
 from .named_split import repeated_blocks, split_by_names
+from .named_timing import block_times
 from .stage import buffers_kept, copy_of, starts_in_place
 
 METHODS = ("uniform", "params", "time")
@@ -146,11 +147,11 @@ def split(model: nn.Module, n_stages: int | None = None, method: str = "uniform"
 
     Any other module: `sample`, one micro-batch as the model's keyword arguments, and either
     `split_points`, the names of the modules where a new stage begins (`model.named_modules()`),
-    or `n_stages` with method "uniform" or "params" over its repeated blocks (`points_for`): the
+    or `n_stages` with method "uniform", "params" or "time" over its repeated blocks (`points_for`): the
     model's own forward is traced and cut there (`named_split.py`).
     """
     if split_points is None and not isinstance(model, nn.Sequential) and sample is not None:
-        split_points = points_for(model, n_stages, method)  # any other module: between its repeated blocks
+        split_points = points_for(model, n_stages, method, sample, threads, repeats)  # between its repeated blocks
     if split_points is not None:
         return _split_by_names(model, split_points, sample, n_stages)
     if not isinstance(model, nn.Sequential):
@@ -182,18 +183,26 @@ def split(model: nn.Module, n_stages: int | None = None, method: str = "uniform"
     return Partition(bounds, stages, method, costs)
 
 
-def points_for(model: nn.Module, n_stages: int, method: str) -> list[str]:
+def points_for(model: nn.Module, n_stages: int, method: str, sample: Any = None, threads: int | None = 1,
+               repeats: int = 5) -> list[str]:
     """Split points that cut the repeated blocks (`repeated_blocks`) into `n_stages` runs: the same number of
-    blocks each ("uniform"), or balanced parameter counts ("params", the blocks' own parameters: an embedding
-    before them counts on the first stage's side of the scale not at all)."""
+    blocks each ("uniform"), balanced parameter counts ("params", the blocks' own parameters: an embedding
+    before them counts on the first stage's side of the scale not at all), or balanced forward + backward
+    seconds on `sample` ("time", with what runs before and after the blocks counted on the first and the
+    last: `named_timing.py`; on `threads` intra-op threads, each the best of `repeats` runs)."""
     name, blocks = repeated_blocks(model)
+    _check_stage_count(n_stages, len(blocks))
     if method == "uniform":
         bounds = uniform_bounds(len(blocks), n_stages)
     elif method == "params":
         bounds = balanced_bounds([sum(p.numel() for p in block.parameters()) for block in blocks], n_stages)
+    elif method == "time":
+        check_repeats(repeats)
+        with intra_op_threads(threads):
+            bounds = balanced_bounds(block_times(model, name, len(blocks), sample, repeats), n_stages)
     else:
-        raise ValueError(f"a model split by names is cut by method 'uniform' or 'params', got {method!r}; "
-                         "or name the modules: split_points=[...]")
+        raise ValueError(f"unknown split method {method!r}; choose one of {METHODS}, or name the modules: "
+                         "split_points=[...]")
     return [f"{name}.{a}" for a, _ in bounds[1:]]
 
 

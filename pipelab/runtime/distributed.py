@@ -31,7 +31,8 @@ from ..model import loss_check, microbatch
 from ..model.batch_norm import warn_if_batch_norm
 from ..model.finite import FiniteChecks
 from ..model.token_weights import token_counter
-from ..model.partition import Partition, balanced_bounds, split
+from ..model.named_split import repeated_blocks
+from ..model.partition import Partition, balanced_bounds, points_for, split
 from ..predict.budget import check_limit, check_memory_budget
 from ..predict.layout import Layout
 from ..predict.memory import activation_samples, checkpoint_plan
@@ -209,6 +210,8 @@ class DistributedPipeline:
         if split_method == "time" and split_points is None and isinstance(model, nn.Sequential):
             self.partition = self._split_by_time(model, sample)
         else:
+            if split_method == "time" and split_points is None:
+                split_points = self._points_by_time(model, sample)
             self.partition = build_partition(model, self.n_stages, self.n_microbatches, split_method, split_points,
                                              sample, self.threads)
         if len(self.partition) != self.n_stages:
@@ -252,6 +255,21 @@ class DistributedPipeline:
         dist.broadcast(costs, group_src=0, group=self.group)
         bounds = balanced_bounds(costs.tolist(), self.n_stages)
         return Partition(bounds, [model[a:b] for a, b in bounds], "time", costs.tolist())
+
+    def _points_by_time(self, model: nn.Module, sample: Any) -> list[str]:
+        """A model split by names: rank 0 times its repeated blocks on the first micro-batch (`points_for`); the
+        blocks where stages begin are broadcast, so every rank cuts the same."""
+        if sample is None:
+            raise ValueError('split_method="time" measures each block, so pass sample=<an input batch>')
+        name, _ = repeated_blocks(model)
+        starts = [int(point.rsplit(".", 1)[1]) for point in points_for(model, self.n_stages, "uniform")]  # checks
+        if self.rank == 0:
+            first = microbatch.split(sample, self.n_microbatches)[0]
+            starts = [int(point.rsplit(".", 1)[1]) for point in points_for(model, self.n_stages, "time", first,
+                                                                            self.threads)]
+        found = torch.tensor(starts, dtype=torch.int64, device=self.device)
+        dist.broadcast(found, group_src=0, group=self.group)
+        return [f"{name}.{k}" for k in found.tolist()]
 
     def _resolve_device(self, device) -> torch.device:
         if device is None:
@@ -357,9 +375,11 @@ class DistributedPipeline:
                                                          self.count_tokens)
         check_traced(self.partition, self.model, input_chunks)
         records, wall_seconds = self._run(self.schedule, self.p2p, self.transport, input_chunks, target_chunks, weights)
-        trace, losses = self._trace(records)
-        return StepResult(step_loss(weights, losses, self.asynchronous), trace, losses, wall_seconds,
-                          sum(trace.durations().values()))
+        losses = self._losses(records)
+        op_seconds = sum(row[1] - row[0] for record in records for row in record.rows if not math.isnan(row[0]))
+        schedule, p2p = self.schedule, self.p2p
+        return StepResult(step_loss(weights, losses, self.asynchronous), losses, wall_seconds, op_seconds,
+                          lambda: self._trace(records, schedule, p2p))
 
     def infer(self, inputs: Any) -> InferenceResult:
         """Forward only, pipelined (inference); call it on every rank with the same whole batch.  Each micro-batch
@@ -378,7 +398,7 @@ class DistributedPipeline:
             check_traced(self.partition, self.model, chunks)
             m = len(chunks)
             records, wall_seconds = self._run(schedule, self.forward_p2p, self.forward_p2p, chunks, [None] * m, [1.0] * m)
-            trace, _ = self._trace(records, schedule, self.forward_p2p)
+            trace = self._trace(records, schedule, self.forward_p2p)
         last = self.workers.get(self.n_stages - 1)
         output = None if last is None else merged_outputs([last.outputs[i] for i in range(m)])
         return InferenceResult(output, trace, wall_seconds)
@@ -446,11 +466,16 @@ class DistributedPipeline:
         end = {a: finish + self.clock_offset for a, (_, finish) in intervals.items()}
         return observer.place(start, end)
 
-    def _trace(self, records: list[StepRecord], schedule: Schedule | None = None,
-               p2p: PointToPointTransport | None = None) -> tuple[Trace, list[float]]:
-        """The step's Trace from every rank's records, and the last stage's losses (none for a forward-only run)."""
-        schedule = self.schedule if schedule is None else schedule
-        p2p = self.p2p if p2p is None else p2p
+    def _losses(self, records: list[StepRecord]) -> list[float]:
+        """The last stage's micro-batch losses, from the records of the rank that runs it."""
+        last = self.n_stages - 1
+        rank = self.schedule.device_of_stage()[last]
+        column = COLUMNS.index("loss")
+        at = {a: k for k, a in enumerate(self.schedule.actions[rank])}
+        return [records[rank].rows[at[Action(Kind.F, last, i)]][column] for i in range(self.n_microbatches)]
+
+    def _trace(self, records: list[StepRecord], schedule: Schedule, p2p: PointToPointTransport) -> Trace:
+        """The step's Trace from every rank's records."""
         rows = schedule.actions
         values = {a: records[d].rows[k] for d, row in enumerate(rows) for k, a in enumerate(row)}
         observed = [change for record in records for change in record.observed]
@@ -474,12 +499,9 @@ class DistributedPipeline:
         # before the first action (receives posted at the start of the step): at the step's start
         observed = [(max(t - origin, 0.0), *rest) for t, *rest in observed]
         memory += observed_samples(observed, schedule.n_devices)
-        last = self.n_stages - 1
-        losses = [] if schedule.forward_only else [values[Action(Kind.F, last, i)][column["loss"]]
-                                                   for i in range(self.n_microbatches)]
         names = [f"rank {d} ({self.device.type})" for d in range(self.world_size)]
         trace = Trace(events, memory, "measured", self.n_stages, self.n_microbatches, schedule.n_devices,
                       schedule.name, names, waits, messages, n_processes=self.world_size,
                       observed_peak_parts=observed_breakdown(observed, schedule.n_devices))
-        return trace, losses
+        return trace
 

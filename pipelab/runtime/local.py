@@ -210,8 +210,8 @@ class Pipeline:
         trace = self._trace(clock, observer)
         last = self.workers[self.n_stages - 1]
         losses = [float(last.losses[i]) for i in range(self.n_microbatches)]
-        return StepResult(step_loss(weights, losses, self.asynchronous), trace, losses, wall_seconds,
-                          sum(trace.durations().values()))
+        return StepResult(step_loss(weights, losses, self.asynchronous), losses, wall_seconds,
+                          sum(trace.durations().values()), lambda: trace)
 
     def infer(self, inputs: Any) -> InferenceResult:
         """Forward only, pipelined (inference): the batch cut into the pipeline's m micro-batches, each through
