@@ -1,7 +1,7 @@
 """pipelab against PyTorch's own `torch.distributed.pipelining.pipeline()` on an unmodified Hugging Face GPT-2.
 
     .venv/bin/python benchmarks/your_model.py [--rounds 3] [--steps 1] [--warmup 1] [--vocab 8192]
-                                              [--batch 32] [--lr 0.1] [--timeout 900]
+                                              [--batch 32] [--lr 0.1] [--time-split] [--timeout 900]
 
 About 4 minutes on 2 cores with the defaults, measured while other work kept the kernel's CPU pressure near
 90 % (a step took 10-15 s there; less on an idle machine): 16 pipelined steps of 32 x 128 tokens plus the
@@ -63,6 +63,13 @@ Printed:
    `_IR.py`: "Gradients for these shared parameters will be accumulated separately on each stage, but
    there will be an additional gradient accumulation before the optimizer step", which is not done;
    its TODO "investigate gradient sync for shared parameters"), so after a step the copies differ.
+4. With `--time-split` (about a minute more): 1F1B once more, pipelab built with `split_method="time"`
+   (rank 0 times each block on a micro-batch, the embeddings counted on the first and ln_f, the LM head
+   and the loss on the last: `pipelab/model/named_timing.py`) and PyTorch cut before the same block.
+   Printed: the block chosen, both step times, the ratio at the same cut, and pipelab's step at its cut
+   against PyTorch's at `transformer.h.4`.  On 2026-12-03 it chose `transformer.h.5` (the head and loss
+   cost about 1.3 blocks): pipelab 5671 ms against 5849 ms at h.4; 0.986 of PyTorch at the same cut,
+   0.933 of PyTorch at h.4.  Neither reaches the 0.90 target: both engines run the same products.
 """
 
 from __future__ import annotations
@@ -146,7 +153,7 @@ def _max_rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
-def on_rank(rounds: int, steps: int, warmup: int, vocab: int, batch_size: int, lr: float) -> dict:
+def on_rank(rounds: int, steps: int, warmup: int, vocab: int, batch_size: int, lr: float, time_split: bool) -> dict:
     """What each of the 2 ranks runs: both engines, timed steps, the loss and tied-weight checks."""
     from torch.distributed import pipelining as pp
     from tqdm import tqdm
@@ -165,18 +172,30 @@ def on_rank(rounds: int, steps: int, warmup: int, vocab: int, batch_size: int, l
     pipes = {s: pl.DistributedPipeline(models_pl[s], n_microbatches=M, schedule=s, split_points=[SPLIT],
                                        sample=batch, loss_normalization="samples") for s in SCHEDULES}
     out["build"]["pipelab"] = time.perf_counter() - begin
+    runs = [(e, s, SPLIT) for s in SCHEDULES for e in ENGINES]
+    if time_split:  # 1F1B once more: pipelab cut by split_method="time" (rank 0 times the blocks), PyTorch cut there too
+        models_pl["time"] = make_model(vocab)
+        pipes["time"] = pl.DistributedPipeline(models_pl["time"], n_microbatches=M, schedule="1f1b", split_method="time",
+                                               sample=batch, loss_normalization="samples")
+        out["time_split"] = pipes["time"].partition.stages[1].first_module if rank == 1 else None
+        found = [out["time_split"]]
+        dist.broadcast_object_list(found, group_src=1)
+        runs += [(e, "time", found[0]) for e in ENGINES]
 
     # PyTorch: the same model from the same seed, traced on one micro-batch, this rank's stage, one per schedule
     begin = time.perf_counter()
-    model_pt = make_model(vocab)
-    ir = pp.pipeline(model_pt, mb_args=(batch["input_ids"][:mb],), split_spec={SPLIT: pp.SplitPoint.BEGINNING})
-    assert ir.num_stages == 2, ir.num_stages
-    stage_module = ir.get_stage_module(rank)
-    schedules_pt = {}
-    for s, cls in (("gpipe", pp.ScheduleGPipe), ("1f1b", pp.Schedule1F1B)):
-        stage = ir.build_stage(rank, torch.device("cpu"))
-        schedules_pt[s] = cls(stage, M, loss_fn=causal_lm_loss, scale_grads=True)
-    del ir, model_pt  # the other rank's stage: freed
+    stage_modules, schedules_pt = {}, {}
+    for split in sorted({point for _, _, point in runs}):
+        model_pt = make_model(vocab)
+        ir = pp.pipeline(model_pt, mb_args=(batch["input_ids"][:mb],), split_spec={split: pp.SplitPoint.BEGINNING})
+        assert ir.num_stages == 2, ir.num_stages
+        stage_modules[split] = ir.get_stage_module(rank)
+        for s, cls in (("gpipe", pp.ScheduleGPipe), ("1f1b", pp.Schedule1F1B), ("time", pp.Schedule1F1B)):
+            if ("torch", s, split) in runs:
+                schedules_pt[s] = cls(ir.build_stage(rank, torch.device("cpu")), M, loss_fn=causal_lm_loss,
+                                      scale_grads=True)
+        del ir, model_pt  # the other rank's stage: freed
+    stage_module = stage_modules[SPLIT]
     out["build"]["torch"] = time.perf_counter() - begin
 
     last_loss: dict = {}
@@ -189,7 +208,8 @@ def on_rank(rounds: int, steps: int, warmup: int, vocab: int, batch_size: int, l
         last_trace[s] = result.trace
 
     def step_pt(s: str):
-        stage_module.zero_grad(set_to_none=True)
+        for module in stage_modules.values():
+            module.zero_grad(set_to_none=True)
         losses: list = []
         if rank == 0:
             schedules_pt[s].step(batch["input_ids"], return_outputs=False)
@@ -197,17 +217,19 @@ def on_rank(rounds: int, steps: int, warmup: int, vocab: int, batch_size: int, l
             schedules_pt[s].step(target=batch["labels"], losses=losses, return_outputs=False)
             last_loss[("torch", s)] = float(torch.stack([l.detach() for l in losses]).mean())
 
+    kinds = [s for s in (*SCHEDULES, "time") if s in pipes]
+    out["makespan"] = {s: [] for s in kinds}
     for _ in range(warmup):
-        for s in SCHEDULES:
+        for s in kinds:
             step_pl(s)
             step_pt(s)
 
-    for key in [(e, s) for s in SCHEDULES for e in ENGINES]:
+    for key in [(e, s) for s in kinds for e in ENGINES]:
         out["times"][key], out["waited"][key] = [], []
     bar = tqdm(total=rounds, desc="rounds", disable=rank != 0, file=sys.stderr, leave=True)
     for r in range(rounds):
         engines = ENGINES[r % 2:] + ENGINES[:r % 2]  # each engine first in turn
-        for s in SCHEDULES:
+        for s in kinds:
             for engine in engines:
                 run = functools.partial(step_pl if engine == "pipelab" else step_pt, s)
                 for _ in range(steps):
@@ -218,6 +240,9 @@ def on_rank(rounds: int, steps: int, warmup: int, vocab: int, batch_size: int, l
     bar.close()
     out["loss"] = dict(last_loss)
 
+    if time_split:  # the gradients compared below are the last schedule's: run it last again
+        step_pl(SCHEDULES[-1])
+        step_pt(SCHEDULES[-1])
     # the gradients of each engine's last step (same weights: no optimizer step yet), this rank's parameters;
     # both engines' last step ran SCHEDULES[-1]
     model_pl = models_pl[SCHEDULES[-1]]
@@ -254,6 +279,8 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192, help="vocab_size (GPT-2's own: 50257)")
     parser.add_argument("--batch", type=int, default=BATCH, help=f"a multiple of m = {M}")
     parser.add_argument("--lr", type=float, default=0.1, help="SGD learning rate of the tied-weight check")
+    parser.add_argument("--time-split", action="store_true",
+                        help='also 1F1B with pipelab cut by split_method="time", and PyTorch cut at the same block')
     parser.add_argument("--timeout", type=float, default=900, help="seconds for the whole launch before it counts "
                                                                     "as a hang")
     args = parser.parse_args()
@@ -272,7 +299,7 @@ def main() -> None:
     begin = time.perf_counter()
     try:
         per_rank = pl.distributed.launch(on_rank, 2, args.rounds, args.steps, args.warmup, args.vocab, args.batch,
-                                         args.lr, timeout_seconds=args.timeout,
+                                         args.lr, args.time_split, timeout_seconds=args.timeout,
                                          wait_timeout_seconds=min(300.0, args.timeout))
     except pl.distributed.DistributedError as error:
         where = "torch/distributed/pipelining" in error.details
@@ -284,7 +311,7 @@ def main() -> None:
           f"{root['build']['pipelab']:.1f} s, PyTorch pipeline() + stages {root['build']['torch']:.1f} s)")
 
     # 1. correctness
-    for s in SCHEDULES:
+    for s in [s for s in (*SCHEDULES, "time") if ("pipelab", s) in root["loss"]]:
         loss_pl, loss_pt = root["loss"][("pipelab", s)], last["loss"][("torch", s)]
         rel = abs(loss_pl - loss_pt) / abs(loss_pt)
         print(f"  {s:5s} loss: pipelab {loss_pl:.8f}  PyTorch {loss_pt:.8f}  rel. diff {rel:.1e} (must be <= 1e-5)")
@@ -307,6 +334,16 @@ def main() -> None:
         waited = {e: med(w for r in per_rank for w in r["waited"][(e, s)]) for e in ENGINES}
         print(f"        share of the step a rank's main thread waited for a CPU: pipelab {waited['pipelab']:.0%}, "
               f"PyTorch {waited['torch']:.0%}")
+
+    if args.time_split:
+        point = last["time_split"]
+        t = {e: med(max(col) for col in zip(*(r["times"][(e, "time")] for r in per_rank))) for e in ENGINES}
+        at_middle = med(max(col) for col in zip(*(r["times"][("torch", "1f1b")] for r in per_rank)))
+        print(f'  1f1b cut by split_method="time": before {point} (rank 0 timed the blocks, the LM head and loss '
+              f"counted on the last); pipelab {t['pipelab'] * 1e3:.0f} ms, PyTorch cut there too "
+              f"{t['torch'] * 1e3:.0f} ms: ratio {t['pipelab'] / t['torch']:.3f} (the same cut); against PyTorch cut "
+              f"before {SPLIT}: {t['pipelab'] / at_middle:.3f} (each engine's cut); pipelab's makespan "
+              f"{med(root['makespan']['time']) * 1e3:.0f} ms")
 
     # 3. tied weights after one SGD step
     g_sum = root["tied_grad_pt"] + last["tied_grad_pt"]
