@@ -9,8 +9,8 @@
                                                arguments, labels included (the model returns its own loss)
 
 Any model but pipelab's own is split by module names: `--split-points a,b` (where stages 1, 2 begin),
-or `--stages p` cuts its repeated blocks by `--split` (`model/partition.py: points_for`).  Every rank builds the same model:
-the seed is set before the model is made.
+or `--stages p` cuts its repeated blocks by `--split` (`model/partition.py: points_for`).  Every rank
+builds the same model: the seed is set before the model is made.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """The local engine's trace, memory accounting and error messages."""
 
 import inspect
+import pickle
 
 import pytest
 import torch
@@ -98,6 +99,13 @@ def test_chrome_trace_and_timeline_from_a_real_step(tmp_path):
     assert {"F0", "B7"} <= names
     fig = pl.plot.timeline(result.trace)
     assert "replayed" in fig.axes[0].get_title()
+
+
+def test_a_step_result_pickles_with_its_trace():
+    _, result = run()
+    copy = pickle.loads(pickle.dumps(result))
+    assert copy.loss == result.loss and copy.microbatch_losses == result.microbatch_losses
+    assert copy.trace.events == result.trace.events and copy.trace.memory == result.trace.memory
 
 
 def test_bad_inputs_get_clear_errors():

@@ -152,7 +152,8 @@ def test_time_counts_what_runs_after_the_blocks_on_the_last_one():
 def time_split_on_ranks() -> dict:
     model, batch = HeavyHead(), {"x": torch.randn(1024, 384, generator=torch.Generator().manual_seed(1))}
     pipe = pl.DistributedPipeline(model, n_microbatches=2, schedule="1f1b", split_method="time", sample=batch)
-    return {"first": [pipe.partition.stages[s].first_module for s in pipe.stages], "loss": pipe.step(batch).loss}
+    # the StepResult itself, its trace not read yet: pickled back with the trace
+    return {"first": [pipe.partition.stages[s].first_module for s in pipe.stages], "result": pipe.step(batch)}
 
 
 @pytest.mark.slow
@@ -160,7 +161,9 @@ def test_a_time_split_by_names_is_timed_on_rank_0_and_the_same_on_every_rank():
     first, second = pl.distributed.launch(time_split_on_ranks, 2, timeout_seconds=120)
     assert first["first"] == ["blocks.0"] and second["first"] == ["blocks.5"]
     batch = {"x": torch.randn(1024, 384, generator=torch.Generator().manual_seed(1))}
-    assert first["loss"] == second["loss"] == pytest.approx(float(HeavyHead()(**batch)), rel=1e-6)
+    assert first["result"].loss == second["result"].loss == pytest.approx(float(HeavyHead()(**batch)), rel=1e-6)
+    assert first["result"].trace.events == second["result"].trace.events
+    assert len(second["result"].trace.events) == 2 * 2 * 2  # F and B of 2 micro-batches on 2 stages
 
 
 @pytest.mark.slow

@@ -7,9 +7,8 @@ and the last block, the stages that will run them; `balanced_bounds` then cuts w
 stage is smallest.  Each piece runs as an engine's stage does by default (`stage.py`: its forward
 with fused weight-gradient accumulation, then its backward from the next piece's input gradients;
 the last piece from its loss, or without one from the sum of its floating-point outputs, the
-loss's own cost then left out).  A piece's seconds are
-the best of `repeats` runs (other work only ever adds time).  The model's `.grad` and buffers are
-left as they were.
+loss's own cost then left out).  A piece's seconds are the best of `repeats` runs (other work only
+ever adds time).  The model's `.grad` and buffers are left as they were.
 """
 
 from __future__ import annotations

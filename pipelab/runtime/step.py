@@ -36,8 +36,9 @@ from .weight_stash import WeightStash
 
 @dataclass
 class StepResult:
-    """One training step's outcome.  `trace` is built from the step's records when first read (about 1.5 ms
-    at p = 4, m = 8: nothing on the step's own path pays for it unless it is looked at)."""
+    """One training step's outcome.  `trace` is built from the step's records when first read, off the
+    step's own path (`benchmarks/vs_torch_pipelining.py` times steps that never read it); a pickled
+    result carries the trace itself."""
 
     loss: float  # mean loss over the whole batch
     microbatch_losses: list[float]
@@ -48,6 +49,9 @@ class StepResult:
     @cached_property
     def trace(self) -> Trace:
         return self.build_trace()
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "trace": self.trace, "build_trace": None}
 
 
 @dataclass
