@@ -147,6 +147,9 @@ def test_time_counts_what_runs_after_the_blocks_on_the_last_one():
     parts = pl.split(model, 2, method="time", sample=batch, repeats=3)
     assert [s.first_module for s in parts.stages][1:] == ["blocks.5"]
     assert all(p.grad is None for p in model.parameters())  # timing leaves the model's .grad as it was
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, split_method="time", sample=batch, devices="cpu")
+    assert [s.first_module for s in pipe.partition.stages][1:] == ["blocks.5"]
+    assert pipe.step(batch).loss == pytest.approx(float(HeavyHead()(**batch)), rel=1e-6)
 
 
 def time_split_on_ranks() -> dict:
