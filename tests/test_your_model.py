@@ -155,14 +155,22 @@ def test_time_counts_what_runs_after_the_blocks_on_the_last_one():
 def time_split_on_ranks() -> dict:
     model, batch = HeavyHead(), {"x": torch.randn(1024, 384, generator=torch.Generator().manual_seed(1))}
     pipe = pl.DistributedPipeline(model, n_microbatches=2, schedule="1f1b", split_method="time", sample=batch)
+    # the same shape as an nn.Sequential (its own timing path): five Linear + tanh blocks, then five Linears
+    torch.manual_seed(0)
+    sequential = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(384, 384), torch.nn.Tanh()) for _ in range(5)],
+                                     torch.nn.Sequential(*[torch.nn.Linear(384, 384) for _ in range(5)]))
+    cut = pl.DistributedPipeline(sequential, n_microbatches=2, schedule="1f1b", split_method="time",
+                                 sample=batch["x"], loss_fn=torch.nn.functional.mse_loss).partition.bounds
     # the StepResult itself, its trace not read yet: pickled back with the trace
-    return {"first": [pipe.partition.stages[s].first_module for s in pipe.stages], "result": pipe.step(batch)}
+    return {"first": [pipe.partition.stages[s].first_module for s in pipe.stages], "result": pipe.step(batch),
+            "sequential": cut}
 
 
 @pytest.mark.slow
-def test_a_time_split_by_names_is_timed_on_rank_0_and_the_same_on_every_rank():
+def test_a_time_split_is_timed_on_rank_0_and_the_same_on_every_rank():
     first, second = pl.distributed.launch(time_split_on_ranks, 2, timeout_seconds=120)
     assert first["first"] == ["blocks.0"] and second["first"] == ["blocks.5"]
+    assert first["sequential"] == second["sequential"] == [(0, 5), (5, 6)]  # costs [1, 1, 1, 1, 1, 5]
     batch = {"x": torch.randn(1024, 384, generator=torch.Generator().manual_seed(1))}
     assert first["result"].loss == second["result"].loss == pytest.approx(float(HeavyHead()(**batch)), rel=1e-6)
     assert first["result"].trace.events == second["result"].trace.events

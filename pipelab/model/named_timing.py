@@ -35,28 +35,30 @@ def block_times(model: nn.Module, blocks: str, n_blocks: int, sample: dict, repe
         p.grad = None
     try:
         with stage_ops.buffers_kept(model.buffers()):
+            runs = [stage_ops.stage_function(piece, FusedAccumulation(piece, list(piece.parameters())),
+                                             loss=_scalar if s == len(pieces) - 1 else None,
+                                             copy_input=stage_ops.starts_in_place(piece))
+                    for s, piece in enumerate(pieces)]
             for _ in range(repeats):
-                _time_once(pieces, sample, times)
+                _time_once(runs, sample, times)
     finally:
         for p, grad in grads:
             p.grad = grad
     return [min(t) for t in times]
 
 
-def _time_once(pieces: list[nn.Module], sample: dict, times: list[list[float]]) -> None:
-    activation, held, last = sample, [], len(pieces) - 1
-    for s, piece in enumerate(pieces):
-        run = stage_ops.stage_function(piece, FusedAccumulation(piece, list(piece.parameters())),
-                                       loss=_scalar if s == last else None,
-                                       copy_input=stage_ops.starts_in_place(piece))
+def _time_once(runs: list, sample: dict, times: list[list[float]]) -> None:
+    """One forward through the pieces' `runs` (`stage.stage_function`s), then one backward, each piece timed."""
+    activation, held, last = sample, [], len(runs) - 1
+    for s, run in enumerate(runs):
         inp = stage_ops.as_input(activation, s == 0)
         begin = time.perf_counter()
-        output, kept = stage_ops.forward(lambda x: run(x)[1 if s == last else 0], inp)
+        output, kept = stage_ops.forward(lambda x: run(x)[1 if s == last else 0], inp)  # the loss, or the output
         times[s].append(time.perf_counter() - begin)
         held.append(kept)
         activation = boundary.detached(output)
     gradient = None
-    for s in reversed(range(len(pieces))):
+    for s in reversed(range(len(runs))):
         begin = time.perf_counter()
         gradient = stage_ops.backward(held[s], gradient)
         times[s][-1] += time.perf_counter() - begin

@@ -197,12 +197,23 @@ def points_for(model: nn.Module, n_stages: int, method: str, sample: Any = None,
     elif method == "params":
         bounds = balanced_bounds([sum(p.numel() for p in block.parameters()) for block in blocks], n_stages)
     elif method == "time":
-        check_repeats(repeats)
-        with intra_op_threads(threads):
-            bounds = balanced_bounds(block_times(model, name, len(blocks), sample, repeats), n_stages)
+        bounds = balanced_bounds(named_block_costs(model, sample, threads, repeats), n_stages)
     else:
         raise ValueError(f"unknown split method {method!r}; choose one of {METHODS}, or name the modules: "
                          "split_points=[...]")
+    return points_at(name, bounds)
+
+
+def named_block_costs(model: nn.Module, sample: Any, threads: int | None = 1, repeats: int = 5) -> list[float]:
+    """Forward + backward seconds of each repeated block of `model` on `sample` (`named_timing.py`)."""
+    check_repeats(repeats)
+    name, blocks = repeated_blocks(model)
+    with intra_op_threads(threads):
+        return block_times(model, name, len(blocks), sample, repeats)
+
+
+def points_at(name: str, bounds: list[tuple[int, int]]) -> list[str]:
+    """The split points of `bounds` over the blocks of the `nn.ModuleList` called `name`."""
     return [f"{name}.{a}" for a, _ in bounds[1:]]
 
 

@@ -32,7 +32,7 @@ from ..model.batch_norm import warn_if_batch_norm
 from ..model.finite import FiniteChecks
 from ..model.token_weights import token_counter
 from ..model.named_split import repeated_blocks
-from ..model.partition import Partition, balanced_bounds, points_for, split
+from ..model.partition import Partition, balanced_bounds, named_block_costs, points_at, points_for, split
 from ..predict.budget import check_limit, check_memory_budget
 from ..predict.layout import Layout
 from ..predict.memory import activation_samples, checkpoint_plan
@@ -207,10 +207,13 @@ class DistributedPipeline:
 
     def _build(self, model, loss_fn, split_method, split_points, sample, optimizer, fused_accumulation,
                tensor_parallel_plan):
-        if split_method == "time" and split_points is None and isinstance(model, nn.Sequential):
+        timed = split_method == "time" and split_points is None
+        if timed and sample is None:
+            raise ValueError('split_method="time" measures each block, so pass sample=<an input batch>')
+        if timed and isinstance(model, nn.Sequential):
             self.partition = self._split_by_time(model, sample)
         else:
-            if split_method == "time" and split_points is None:
+            if timed:
                 split_points = self._points_by_time(model, sample)
             self.partition = build_partition(model, self.n_stages, self.n_microbatches, split_method, split_points,
                                              sample, self.threads)
@@ -244,32 +247,29 @@ class DistributedPipeline:
                                      self.p2p.exchange_tag, n_rows=max(map(len, self.schedule.actions)))
 
     def _split_by_time(self, model: nn.Module, sample: Any) -> Partition:
-        """Rank 0 times every block; the costs are broadcast, so every rank computes the same cut."""
-        if sample is None:
-            raise ValueError('split_method="time" measures each block, so pass sample=<an input batch>')
+        """An `nn.Sequential`: its blocks' costs timed on rank 0 (`_costs_from_rank_0`), cut alike on every rank."""
         split(model, self.n_stages, "uniform")  # the same checks on every rank, before any communication
-        costs = torch.zeros(len(model), dtype=torch.float64)
-        if self.rank == 0:
-            costs = torch.tensor(split(model, self.n_stages, "time", sample).block_costs, dtype=torch.float64)
-        costs = costs.to(self.device)
-        dist.broadcast(costs, group_src=0, group=self.group)
-        bounds = balanced_bounds(costs.tolist(), self.n_stages)
-        return Partition(bounds, [model[a:b] for a, b in bounds], "time", costs.tolist())
+        costs = self._costs_from_rank_0(len(model), lambda: split(model, self.n_stages, "time", sample).block_costs)
+        bounds = balanced_bounds(costs, self.n_stages)
+        return Partition(bounds, [model[a:b] for a, b in bounds], "time", costs)
 
     def _points_by_time(self, model: nn.Module, sample: Any) -> list[str]:
-        """A model split by names: rank 0 times its repeated blocks on the first micro-batch (`points_for`); the
-        blocks where stages begin are broadcast, so every rank cuts the same."""
-        if sample is None:
-            raise ValueError('split_method="time" measures each block, so pass sample=<an input batch>')
-        name, _ = repeated_blocks(model)
-        starts = [int(point.rsplit(".", 1)[1]) for point in points_for(model, self.n_stages, "uniform")]  # checks
+        """A model split by names: its repeated blocks timed on rank 0 on the first micro-batch, cut alike on
+        every rank."""
+        name, blocks = repeated_blocks(model)
+        points_for(model, self.n_stages, "uniform")  # the same checks on every rank, before any communication
+        first = microbatch.split(sample, self.n_microbatches)[0]
+        costs = self._costs_from_rank_0(len(blocks), lambda: named_block_costs(model, first, self.threads))
+        return points_at(name, balanced_bounds(costs, self.n_stages))
+
+    def _costs_from_rank_0(self, n_blocks: int, measure: Callable[[], list[float]]) -> list[float]:
+        """Rank 0's `measure()` of the blocks' costs, broadcast: every rank then computes the same cut."""
+        costs = torch.zeros(n_blocks, dtype=torch.float64)
         if self.rank == 0:
-            first = microbatch.split(sample, self.n_microbatches)[0]
-            starts = [int(point.rsplit(".", 1)[1]) for point in points_for(model, self.n_stages, "time", first,
-                                                                            self.threads)]
-        found = torch.tensor(starts, dtype=torch.int64, device=self.device)
-        dist.broadcast(found, group_src=0, group=self.group)
-        return [f"{name}.{k}" for k in found.tolist()]
+            costs = torch.tensor(measure(), dtype=torch.float64)
+        costs = costs.to(self.device)
+        dist.broadcast(costs, group_src=0, group=self.group)
+        return costs.tolist()
 
     def _resolve_device(self, device) -> torch.device:
         if device is None:
