@@ -24,11 +24,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..schedules.action import GRADIENT_KINDS, NARROWING_KINDS, RELEASING_KINDS, Kind
+from ..schedules.action import GRADIENT_KINDS, HOLDING_KINDS, NARROWING_KINDS, RELEASING_KINDS
 from ..schedules.trace import Event, MemorySample
 
 Bytes = Callable[[int, int], float]  # (stage, microbatch) -> bytes
-COUNTED_KINDS = frozenset({Kind.F}) | GRADIENT_KINDS | NARROWING_KINDS | RELEASING_KINDS  # all but E
+COUNTED_KINDS = HOLDING_KINDS | GRADIENT_KINDS | NARROWING_KINDS | RELEASING_KINDS  # all but E and G
 
 
 def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_devices: int,
@@ -37,12 +37,12 @@ def activation_samples(events: list[Event], held: Bytes, transient: Bytes, n_dev
     changes = []  # (time, 0 for a release so it sorts first at equal times, then the events' order, device, delta)
     split = {(e.stage, e.microbatch) for e in events if e.kind in NARROWING_KINDS}
     for n, e in enumerate(events):
-        if e.kind not in COUNTED_KINDS:  # a forward-only E keeps nothing
+        if e.kind not in COUNTED_KINDS:  # a forward-only E or G keeps nothing
             continue
         stage, mb = e.stage, e.microbatch
         whole = held(stage, mb) + transient(stage, mb)  # what F and a recomputation added
         left = whole if for_w is None or (stage, mb) not in split else for_w(stage, mb)  # what waits for W
-        if e.kind == Kind.F:
+        if e.kind in HOLDING_KINDS:
             changes.append((e.end, 1, n, e.device, held(stage, mb)))
         if e.kind in GRADIENT_KINDS and transient(stage, mb):
             changes.append((e.start, 1, n, e.device, transient(stage, mb)))

@@ -57,23 +57,29 @@ class Timing:
 
 
 def needs_by_kind_and_stage(schedule: "Schedule", links: Sequence[float] | None = None
-                            ) -> dict[tuple[Kind, int], list[tuple[Kind, int, float]]]:
+                            ) -> dict[tuple[Kind, int], list[tuple[Kind, int, float, int]]]:
     """(kind, stage) -> what an action of that kind on that stage needs: [(kind, stage, seconds its
-    result takes to arrive)], the same for every micro-batch.  `links[b]` is paid between stages b and
-    b + 1 when they are on different devices."""
+    result takes to arrive, micro-batches earlier)], the same for every micro-batch.  `links[b]` is paid
+    between stages b and b + 1 when they are on different devices.  The last field is 0 but for a kind
+    that wraps (generation's G on stage 0 needs the last stage's G `lanes` micro-batches earlier: the
+    same lane's token of the round before; on the first round it has no such need)."""
     p = schedule.n_stages
     device_of, gradient_kind = schedule.device_of_stage(), schedule.gradient_kind
+    lanes = schedule.meta.get("lanes", 0)
     found = {}
     for kind, spec in KIND_SPECS.items():
         for stage in range(p):
             needs = []
             for need, offset in spec.needs:
-                other = stage + offset
+                other, earlier = stage + offset, 0
+                if spec.wraps and other == -1 and lanes:
+                    other, earlier = p - 1, lanes
                 if not 0 <= other < p:
                     continue  # a need that does not exist: before stage 0, after the last stage
                 need_kind = gradient_kind[other] if need == GRADIENT else need
                 linked = links is not None and device_of.get(other) != device_of.get(stage)
-                needs.append((need_kind, other, links[min(stage, other)] if linked else 0.0))
+                delay = (links[min(stage, other)] if other != stage else 0.0) if linked else 0.0
+                needs.append((need_kind, other, delay, earlier))
             found[kind, stage] = needs
     return found
 
@@ -98,9 +104,11 @@ def run_dependencies(schedule: "Schedule", duration: Duration, links: Sequence[f
     # (benchmarks/simulator.py, part 1) needs >= 500k actions/s.
     m, kinds = schedule.n_microbatches, list(KIND_SPECS)
     first_slot = {(kind, stage): (k * p + stage) * m for k, kind in enumerate(kinds) for stage in range(p)}
-    plan = {key: (first_slot[key], [(first_slot[kind, stage], delay) for kind, stage, delay in wanted],
+    plan = {key: (first_slot[key], [(first_slot[kind, stage] - earlier, delay, earlier)
+                                    for kind, stage, delay, earlier in wanted],
                   None if table is None else table.get(key))
-            for key, wanted in needs.items()}  # (its first slot, its needs' first slots and delays, its seconds)
+            for key, wanted in needs.items()}  # (its first slot, its needs' first slots, delays and first micro-batch
+    #                                                     that has them (0 but for a wrap), its seconds)
     end: list[float | None] = [None] * (len(kinds) * p * m)
     parked: dict[int, list[int]] = {}  # a slot not yet computed -> the devices waiting for it
     waits_for: dict[int, int] = {}  # device -> the slot it waits for
@@ -116,7 +124,9 @@ def run_dependencies(schedule: "Schedule", duration: Duration, links: Sequence[f
             kind, stage, mb = action
             here, wanted, seconds = plan[kind, stage]
             start = ready_at
-            for need, delay in wanted:
+            for need, delay, first in wanted:
+                if mb < first:  # a wrapping need before its first round: none
+                    continue
                 done = end[need + mb]
                 if done is None:  # not computed yet: park on it
                     parked.setdefault(need + mb, []).append(device)

@@ -35,3 +35,26 @@ def forward_only_like(schedule: Schedule) -> Schedule:
              for s in sorted(st for st, d in device_of.items() if d == device)]
             for device in range(schedule.n_devices)]
     return Schedule(schedule.n_stages, schedule.n_microbatches, rows, name="inference")
+
+
+def generation(n_stages: int, lanes: int, rounds: int, device_of_stage: dict[int, int] | None = None) -> Schedule:
+    """Greedy generation as a schedule: `rounds` new tokens for each of `lanes` groups of sequences in flight.
+
+    Micro-batch k = r·lanes + j is lane j's round r: G(s, k) runs stage s's blocks on it with lane j's
+    key/value cache; G(0, k) needs the token G(p − 1, k − lanes) chose (`KindSpec.wraps`), so a lane
+    goes round the ring once per token.  Each device runs its G's by round, lane, then stage, an order in
+    which every action waits only for earlier ones.  With lanes ≥ p every device has work once the ring
+    is full; with one lane, p − 1 of the p devices idle at every token.  Two rounds, p = 2 with two
+    lanes, then p = 3 with one:
+
+        device 0 | G0 G1 G2 G3            device 0 | G0 .  .  G1 .  .
+        device 1 | .  G0 G1 G2 G3         device 1 | .  G0 .  .  G1 .
+                                          device 2 | .  .  G0 .  .  G1
+
+    `device_of_stage` places the stages (default: stage s on device s)."""
+    check_counts(n_stages=n_stages, n_microbatches=lanes * rounds)
+    where = device_of_stage if device_of_stage is not None else {s: s for s in range(n_stages)}
+    rows = [[Action(Kind.G, s, r * lanes + j) for r in range(rounds) for j in range(lanes)
+             for s in sorted(st for st, d in where.items() if d == device)]
+            for device in range(max(where.values()) + 1)]
+    return Schedule(n_stages, lanes * rounds, rows, name="generation", meta={"lanes": lanes})

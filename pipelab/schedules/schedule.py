@@ -14,13 +14,22 @@ from operator import itemgetter
 
 from ..common.checks import check_counts
 from ..common.errors import ScheduleError
-from .action import Action, Kind
+from .action import GRADIENT_KINDS, KIND_SPECS, PROFILE_OF_KINDS, PROFILES, TRAINING_PROFILES, Action, Kind
 from .dependencies import run_dependencies
 from .routes import Routes
 
-STAGE_KINDS = ({Kind.F, Kind.B}, {Kind.F, Kind.I, Kind.W}, {Kind.E})
-"""What one stage runs for every micro-batch: a forward and a whole backward, a forward and a split one, or
-(a forward-only schedule: inference) one forward that keeps nothing."""
+STAGE_KINDS = tuple(set(kinds) for kinds in PROFILES.values())
+"""What one stage runs for every micro-batch, one set per stage profile (`action.PROFILES`): a forward and a
+whole backward, a forward and a split one, one forward that keeps nothing (inference), or generation's."""
+
+
+def profile_of(kinds: set) -> str:
+    """The stage profile of a stage that runs `kinds`: the one they make up, else (a table being written, or
+    wrong) the one sharing most of them, the later on a tie (F, B and I: "split backward")."""
+    exact = PROFILE_OF_KINDS.get(frozenset(kinds))
+    if exact is not None:
+        return exact
+    return max(reversed(list(PROFILES)), key=lambda profile: len(kinds & set(PROFILES[profile])))
 
 
 @dataclass
@@ -53,15 +62,26 @@ class Schedule:
                             for row in self.actions]
 
     @property
+    def profiles(self) -> list[str]:
+        """Per stage, its profile (`action.PROFILES`): "whole backward" (F, B), "split backward" (F, I, W),
+        "forward only" (E) or "generation" (G), read from the kinds it runs."""
+        kinds: dict[int, set] = {}
+        for row in self.actions:
+            for action in row:
+                if isinstance(action, Action):
+                    kinds.setdefault(action.stage, set()).add(action.kind)
+        return [profile_of(kinds.get(stage, set())) for stage in range(self.n_stages)]
+
+    @property
     def gradient_kind(self) -> list[Kind]:
-        """Per stage, the kind of action that makes its input gradient: I where it splits its backward, else B."""
-        split = {stage for row in self.actions for kind, stage, _ in row if kind is Kind.I}
-        return [Kind.I if stage in split else Kind.B for stage in range(self.n_stages)]
+        """Per stage, the kind of action that makes its input gradient: I where it splits its backward, else B
+        (also where its profile has no backward)."""
+        return [next((k for k in PROFILES[profile] if k in GRADIENT_KINDS), Kind.B) for profile in self.profiles]
 
     @property
     def forward_only(self) -> bool:
-        """A forward-only (inference) schedule: its actions are E's (`pl.schedules.inference`)."""
-        return any(a.kind is Kind.E for row in self.actions for a in row if isinstance(a, Action))
+        """No stage runs a backward: inference (E, `pl.schedules.inference`) or generation (G)."""
+        return not TRAINING_PROFILES.intersection(self.profiles)
 
     @property
     def n_devices(self) -> int:
@@ -179,8 +199,8 @@ def _looks_valid(schedule: Schedule) -> bool:
         kinds_of.setdefault(stage, set()).add(kind)
     if any(kinds not in STAGE_KINDS for kinds in kinds_of.values()) or len(kinds_of) != schedule.n_stages:
         return False
-    if len({Kind.E in kinds for kinds in kinds_of.values()}) > 1:
-        return False  # forward-only stages beside training ones
+    if _mixed_profiles({stage: profile_of(kinds) for stage, kinds in kinds_of.items()}):
+        return False
     stages_per_row = [set(map(itemgetter(1), row)) for row in rows]
     stages = set().union(*stages_per_row)
     if sum(map(len, stages_per_row)) != len(stages):
@@ -238,31 +258,46 @@ def _check_stage_placement(schedule: Schedule) -> None:
             )
 
 
+def _mixed_profiles(profiles: dict[int, str]) -> bool:
+    """Stages of a training profile beside others, or two profiles without a backward: one schedule trains,
+    infers or generates (whole and split backwards may mix)."""
+    kinds = {p if p not in TRAINING_PROFILES else "training" for p in profiles.values()}
+    return len(kinds) > 1
+
+
 def _check_complete(schedule: Schedule) -> None:
     present = set(schedule.all_actions())
-    forward_only = {a.stage for a in present if a.kind is Kind.E}
-    if forward_only and len(forward_only) < schedule.n_stages or any(a.kind is not Kind.E for a in present
-                                                                          if a.stage in forward_only):
-        raise ScheduleError("a forward-only schedule (inference) runs E and nothing else on every stage; stages "
-                            f"{sorted(forward_only)} run E, so no F, B, I or W may appear (pl.schedules.inference)")
-    if forward_only:
-        for stage in range(schedule.n_stages):
-            for mb in range(schedule.n_microbatches):
-                if (Kind.E, stage, mb) not in present:
-                    raise ScheduleError(f"missing action {Action(Kind.E, stage, mb)} (forward only, stage {stage}, "
-                                        f"mb {mb}): every micro-batch goes through every stage once")
-        return
-    for stage in range(schedule.n_stages):
-        kinds = {a.kind for a in present if a.stage == stage}
-        if Kind.B in kinds and kinds & {Kind.I, Kind.W}:
+    kinds_of: dict[int, set] = {stage: set() for stage in range(schedule.n_stages)}
+    for action in present:
+        kinds_of[action.stage].add(action.kind)
+    profiles = {stage: profile_of(kinds) for stage, kinds in kinds_of.items()}
+    if _mixed_profiles(profiles):
+        by_profile: dict[str, list[int]] = {}
+        for stage, profile in profiles.items():
+            by_profile.setdefault(profile, []).append(stage)
+        listed = "; ".join(f"{profile} ({', '.join(k.value for k in PROFILES[profile])}) on stages {stages}"
+                           for profile, stages in by_profile.items())
+        raise ScheduleError(f"a schedule trains, runs forward only (inference: E, pl.schedules.inference) or "
+                            f"generates (G) on every stage alike; this one mixes {listed}: a forward-only "
+                            "schedule runs E and nothing else on every stage")
+    for stage, kinds in kinds_of.items():
+        wanted = PROFILES[profiles[stage]]
+        foreign = sorted(k.value for k in kinds - set(wanted))
+        if foreign:
             raise ScheduleError(f"stage {stage} runs whole backwards (B) and split ones (I, W); a stage does one "
-                                "or the other for every micro-batch")
-        split = bool(kinds & {Kind.I, Kind.W})
+                                f"or the other for every micro-batch (it runs {', '.join(sorted(k.value for k in kinds))})")
         for mb in range(schedule.n_microbatches):
-            for kind in (Kind.F, Kind.I, Kind.W) if split else (Kind.F, Kind.B):
+            for kind in wanted:
                 if (kind, stage, mb) not in present:
                     action = Action(kind, stage, mb)
-                    why = (f"stage {stage} splits its backward, so every micro-batch needs its input-gradient I "
-                           "and its weight-gradient W there" if split
-                           else "every micro-batch needs a forward and a backward on every stage")
-                    raise ScheduleError(f"missing action {action} ({action.describe()}): {why}")
+                    raise ScheduleError(f"missing action {action} ({action.describe()}): {_why(profiles[stage], stage)}")
+
+
+def _why(profile: str, stage: int) -> str:
+    kinds = PROFILES[profile]
+    if not TRAINING_PROFILES.intersection([profile]):
+        return f"every micro-batch goes through every stage once ({KIND_SPECS[kinds[0]].name})"
+    if Kind.W in kinds:
+        return (f"stage {stage} splits its backward, so every micro-batch needs its input-gradient I and its "
+                "weight-gradient W there")
+    return "every micro-batch needs a forward and a backward on every stage"

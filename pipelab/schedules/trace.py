@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-from .action import RELEASING_KINDS, Action, Kind
+from .action import HOLDING_KINDS, RELEASING_KINDS, Action, Kind
 
 SOURCE_LABELS = {
     "simulated": "simulated (cost model)",
@@ -183,7 +183,7 @@ class Trace:
                     last_backward[key] = e
         changes: list[tuple[float, int, int]] = []  # (time, +1/-1, stage); leaving sorts first at ties
         for e in self.events:
-            if e.kind == Kind.F:
+            if e.kind in HOLDING_KINDS:
                 changes.append((e.start, 1, e.stage))
         for (stage, _), e in last_backward.items():
             changes.append((e.end, -1, stage))

@@ -18,7 +18,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ..schedules.action import KIND_SPECS  # noqa: E402
 from ..schedules.trace import Trace  # noqa: E402
 
-COLORS = {"F": "#4C72B0", "B": "#DD8452", "I": "#E3A04F", "W": "#55A868", "E": "#8172B3"}  # one per `Kind`
+COLORS = {kind.value: spec.color for kind, spec in KIND_SPECS.items()}  # one per `Kind`, from its row
 NAMES = {kind.value: spec.name for kind, spec in KIND_SPECS.items()}
 IDLE = "#EEEEEE"
 WAIT = "#555555"  # waiting for a message (distributed engine)
