@@ -30,6 +30,7 @@ from .predict.simulate import simulate
 from .runtime.checkpoint import CheckpointError
 from .runtime.distributed import DistributedPipeline
 from .runtime.local import Pipeline, StepResult
+from .runtime.options import PipelineOptions
 from .runtime.processes import DistributedError
 from .schedules.action import Action
 from .schedules.schedule import Schedule
@@ -60,6 +61,7 @@ def __dir__():
 __all__ = [
     "__version__", "Action", "CheckpointError", "Costs", "DeviceMemory", "DistributedError", "DistributedPipeline",
     "Event", "Layout", "MemoryBudgetError", "MemorySample", "Message", "Partition", "Pipeline", "PipelineError",
+    "PipelineOptions",
     "Schedule", "ScheduleError", "StepResult", "Trace", "Wait", "about", "check_memory_budget", "describe",
     "device_memory", "max_gradient_difference", "microbatch", "models",
     "Plan", "PlanRow", "ProfiledModel", "TransformerSpec", "plan",

@@ -1,5 +1,6 @@
 """The local engine's trace, memory accounting and error messages."""
 
+import dataclasses
 import inspect
 import pickle
 
@@ -8,6 +9,7 @@ import torch
 from torch import nn
 
 import pipelab as pl
+from pipelab.runtime.options import LOCAL_PLACEMENT, RANK_PLACEMENT
 from reference_timing import reference_times
 
 
@@ -226,19 +228,40 @@ def test_an_error_inside_a_stage_names_the_stage_its_blocks_the_action_and_what_
     assert "block 1 (Linear) computes in torch.float32" in str(caught.value)
 
 
-def test_both_engines_take_keywords_with_the_same_names_in_the_same_order():
-    """A call moved from one engine to the other cannot misroute an argument by its position."""
-    local = inspect.signature(pl.Pipeline).parameters
-    distributed = inspect.signature(pl.DistributedPipeline).parameters
-    for parameters in (local, distributed):
+def test_both_engines_take_every_option_and_their_own_placement_only():
+    """An option exists in both engines or in neither: each engine's keywords are exactly the options' fields
+    (`pl.PipelineOptions`) plus its own placement parameters, all keyword-only, the options in the same order,
+    so a call moved from one engine to the other cannot misroute an argument by its position."""
+    options = [field.name for field in dataclasses.fields(pl.PipelineOptions)]
+    assert {"warm_up", "memory_limit_bytes", "check_finite", "split_points"} <= set(options)
+    for engine, placement in ((pl.Pipeline, LOCAL_PLACEMENT), (pl.DistributedPipeline, RANK_PLACEMENT)):
+        parameters = inspect.signature(engine).parameters
         assert all(p.kind is p.KEYWORD_ONLY for name, p in parameters.items() if name != "model")
-    shared = [name for name in local if name in distributed]
-    assert shared == [name for name in distributed if name in local]
-    assert shared == ["model", "n_microbatches", "schedule", "loss_fn", "loss_normalization", "devices",
-                      "split_method", "split_points", "sample", "checkpoint", "threads", "optimizer",
-                      "fused_accumulation", "check_finite", "memory_limit_bytes", "memory_optimizer"]
+        assert set(parameters) == {"model", "options", *placement, *options}, engine
+        assert [name for name in parameters if name in options] == options
+        for name in options:  # the defaults are the options' own
+            default = parameters[name].default
+            field = next(f for f in dataclasses.fields(pl.PipelineOptions) if f.name == name)
+            assert default is inspect.Parameter.empty if field.default is dataclasses.MISSING else default == field.default
     with pytest.raises(TypeError, match="positional"):
         pl.Pipeline(pl.models.mlp(depth=2, width=4), 2, 2)
+    with pytest.raises(TypeError, match="unknown option 'warmup' .did you mean warm_up"):
+        pl.Pipeline(pl.models.mlp(depth=2, width=4), n_stages=2, n_microbatches=2, loss_fn=nn.MSELoss(), warmup=False)
+
+
+def test_an_options_object_runs_like_its_keywords_and_keywords_beside_it_win():
+    model = pl.models.mlp(depth=4, width=8, seed=0)
+    x, y = pl.models.sample_batch(model, 8)
+    options = pl.PipelineOptions(n_microbatches=4, schedule="gpipe", loss_fn=nn.MSELoss(), warm_up=False)
+    by_object = pl.Pipeline(model, n_stages=2, options=options, schedule="1f1b")
+    assert by_object.schedule.name == "1f1b" and by_object.options.warm_up is False and options.schedule == "gpipe"
+    loss, grads = pl.single_device_gradients(model, x, y, nn.MSELoss())
+    assert by_object.step(x, y).loss == pytest.approx(loss, rel=1e-6)
+    assert pl.max_gradient_difference(model, grads) < 1e-6
+    with pytest.raises(ValueError, match="n_microbatches must be a positive int"):
+        pl.PipelineOptions(n_microbatches=0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.schedule = "gpipe"
 
 
 def test_a_stage_out_of_memory_stays_an_out_of_memory_error():

@@ -6,7 +6,6 @@ import torch
 
 import pipelab as pl
 from pipelab.model.kv_cache import cached_forward
-from pipelab.runtime.generation import _replay
 
 
 def model():
@@ -61,8 +60,7 @@ def test_equal_stage_times_give_the_closed_form(p, lanes, rounds):
     whole run lasts (rounds · max(m, p) + min(m, p) − 1)·t: m ≥ p keeps every stage busy, fewer lanes leave
     p − m of every p slots idle."""
     t = 0.5
-    seconds = {(s, r, j): t for s in range(p) for r in range(rounds) for j in range(lanes)}
-    trace = _replay(seconds, p, rounds, lanes, {s: s for s in range(p)})
+    trace = pl.simulate(pl.schedules.generation(p, lanes, rounds), pl.Costs(forward=t, backward=0.0))
     assert trace.makespan == pytest.approx((rounds * max(lanes, p) + min(lanes, p) - 1) * t)
 
 

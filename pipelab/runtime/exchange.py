@@ -23,7 +23,7 @@ from ..common.errors import PipelineError
 from . import comm_count
 from .p2p import wait
 
-COLUMNS = ("start", "end", "wait_start", "wait_end", "sent", "saved_bytes", "recomputed_bytes", "for_w_bytes", "loss")
+from .trace_builder import COLUMNS
 CHANGE = 4  # values per observed memory change: time, device, bytes (+ or -), reason
 
 

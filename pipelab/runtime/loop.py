@@ -27,6 +27,7 @@ from ..common.errors import PipelineError, failure
 from ..model import boundary
 from ..model import stage as stage_ops
 from ..model.fused_accumulation import FusedAccumulation
+from ..model.kv_cache import cached_forward
 from ..schedules.action import Action, Kind
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
@@ -57,7 +58,7 @@ class StageWorker:
         self.buffers = list(module.buffers())  # BatchNorm's statistics: a recomputation leaves them alone
         self.use_parameters(list(module.parameters()))
         self.run = {Kind.F: self._forward, Kind.B: self._backward, Kind.I: self._input_gradient,
-                    Kind.W: self._weight_gradient, Kind.E: self._forward_only}
+                    Kind.W: self._weight_gradient, Kind.E: self._forward_only, Kind.G: self._generate}
 
     def use_parameters(self, parameters: list[torch.Tensor]) -> None:
         """The tensors this stage's weights live in (a tensor-parallel rank's shards): what the split backward
@@ -78,6 +79,7 @@ class StageWorker:
         self.for_w_bytes: dict[int, int] = {}  # mb -> bytes held from its I to its W ("counted")
         self.losses: dict[int, torch.Tensor] = {}  # mb -> unweighted loss (last stage)
         self.outputs: dict[int, Any] = {}  # mb -> the model's output, of a forward-only step (last stage)
+        self.caches: dict[int, dict] = {}  # generation: lane -> this stage's keys and values
 
     def compute(self, action: Action, message: Any) -> torch.Tensor | None:
         """Run `action` on `message` (None where there is nothing to receive); return what to send on.
@@ -144,6 +146,22 @@ class StageWorker:
             return None
         self._note(output, "output")
         return output
+
+    def _generate(self, k: int, message: Any) -> torch.Tensor:
+        """G: lane j = k mod lanes, round r = k // lanes (the step's micro-batches are the lanes' prompts).  The
+        stage's blocks on the lane's newest tokens (round 0: its prompt) with its own key/value cache
+        (`model/kv_cache.py`); the last stage picks the next token (greedy), kept in `outputs` and sent round to
+        stage 0 for the lane's next round."""
+        lanes = len(self.inputs)
+        lane, round_ = k % lanes, k // lanes
+        prompt = self.inputs[lane]
+        x = to_device(prompt, self.device) if self.is_first and round_ == 0 else message
+        start = 0 if round_ == 0 else prompt.shape[1] + round_ - 1
+        x = cached_forward(self.module, x, self.caches.setdefault(lane, {}), start)
+        if self.is_last:
+            x = x[:, -1:].argmax(dim=-1)  # greedy: the next token, (lane's rows, 1)
+            self.outputs[k] = x
+        return x
 
     def _recomputing(self, i: int) -> stage_ops.Held:
         """Micro-batch i's `Held`, its input left out of the backward's count (already held since F)."""
@@ -287,11 +305,12 @@ class Transport(Protocol):
 
 
 def run_actions(schedule: Schedule, actions: Iterable[Action], workers: dict[int, StageWorker], transport: Transport,
-                clock, observer: MemoryObserver | None = None) -> None:
+                clock, observer: MemoryObserver | None = None, reporting: bool = True) -> None:
     """Run `actions` (of `schedule`) in order: receive, compute (timed by `clock`; its host window noted by
     `observer`), send.  A stage's failure ends with its device's list, the failing action marked.
-    In a rank of `pl.distributed.launch`, each action is reported to the launcher (`runtime/progress.py`)."""
-    report = progress.reporter()
+    In a rank of `pl.distributed.launch`, each action is reported to the launcher (`runtime/progress.py`), a
+    step's (not a warm-up's, `reporting=False`)."""
+    report = progress.reporter() if reporting else None
     for action in actions:
         worker = workers[action.stage]
         if report is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Callable
 
+import torch
 from torch import nn
 
 from ..model import loss_check, microbatch
@@ -59,6 +60,30 @@ class InferenceResult:
     output: Any  # the last stage's outputs, merged in micro-batch order: what model(inputs) returns
     trace: Trace  # E actions only; `trace.latencies`, `trace.throughput`
     wall_seconds: float  # host time for the whole pass
+
+
+@dataclass
+class GenerationResult:
+    tokens: torch.Tensor  # the prompts followed by the new tokens: (batch, prompt length + new_tokens)
+    trace: Trace  # one G per (stage, round, lane); micro-batch index round * lanes + lane
+    new_tokens: int  # per sequence
+
+    @property
+    def tokens_per_second(self) -> float:
+        """New tokens of every sequence over the trace's time: batch · new_tokens / makespan."""
+        return self.tokens.shape[0] * self.new_tokens / self.trace.makespan if self.trace.makespan else 0.0
+
+
+def check_generation(prompts: Any, new_tokens: int, lanes: int) -> None:
+    """Token ids shaped (batch, prompt length), and positive counts of new tokens and lanes (at most one lane
+    per prompt)."""
+    if not isinstance(prompts, torch.Tensor) or prompts.dim() != 2 or prompts.dtype not in (torch.int32, torch.int64):
+        raise TypeError("prompts are token ids shaped (batch, prompt length), an integer tensor")
+    for name, value in (("new_tokens", new_tokens), ("lanes", lanes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if lanes > prompts.shape[0]:
+        raise ValueError(f"{lanes} lanes need at least {lanes} prompts, got {prompts.shape[0]}")
 
 
 def merged_outputs(outputs: list) -> Any:

@@ -1,0 +1,179 @@
+"""One step, written once: the driver every engine runs, for training, inference and generation.
+
+    step(x, y):  cut the batch and weigh its micro-batches -> check the memory limit (first step)
+                 -> warm up (first step) -> run this process's actions through the loop -> the rows of
+                 every action -> StepResult (its Trace built when first read)
+    infer(x):    the same with the schedule's forward-only twin (E actions), under no_grad
+    generate:    the same with a generation schedule (G actions, `schedules.generation`)
+
+Everything that depends on where the stages run (which ones are here, their devices, the
+transport, the order of the actions, how every action's row reaches this process) is asked of
+the placement (`runtime/placement.py`: `LocalPlacement`, `RankPlacement`).  The per-action loop
+is `runtime/loop.py`, the Trace is `runtime/trace_builder.py`; the warm-up is a one-micro-batch
+schedule of the same stages and profiles (`schedules/warm_up.py`) run through that loop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..model import loss_check, microbatch
+from ..model import stage as stage_ops
+from ..model.batch_norm import warn_if_batch_norm
+from ..model.finite import FiniteChecks
+from ..model.kv_cache import check_length
+from ..model.token_weights import token_counter
+from ..predict.budget import check_limit
+from ..predict.memory import checkpoint_plan
+from ..schedules.inference import forward_only_like, generation
+from ..schedules.schedule import Schedule
+from ..schedules.warm_up import warm_up_like
+from .clock import ActionClock
+from .loop import run_actions
+from .memory_observer import MemoryObserver
+from .options import PipelineOptions
+from .placement import Placement
+from .step import (
+    GenerationResult,
+    InferenceResult,
+    StepResult,
+    check_generation,
+    check_loss_fn,
+    check_traced,
+    cut_batch,
+    merged_outputs,
+    step_loss,
+)
+from .trace_builder import build_trace, durations, losses
+
+
+class StepDriver:
+    """A pipeline's schedule, stages and workers, and the step, inference pass and generation that run them."""
+
+    def __init__(self, model: nn.Module, options: PipelineOptions, placement: Placement):
+        self.model, self.options, self.placement = model, options, placement
+        check_loss_fn(options.loss_fn, traced=options.traced or not isinstance(model, nn.Sequential))
+        self.count_tokens = token_counter(model, options.loss_fn, options.loss_normalization)  # None: by samples
+        self.finite_checks = FiniteChecks(options.check_finite)
+        self.schedule = placement.resolve_schedule()
+        self.n_stages, self.n_microbatches = self.schedule.n_stages, options.n_microbatches
+        self.asynchronous = self.schedule.asynchronous
+        self.checkpoint = checkpoint_plan(options.checkpoint, self.n_stages)
+        self.memory_limits = (None if options.memory_limit_bytes is None
+                              else check_limit(options.memory_limit_bytes, self.schedule.n_devices))
+        self.memory_optimizer = options.optimizer if options.optimizer is not None else options.memory_optimizer
+        self.activation_budgets: dict[int, float] | None = None  # set by the first step's memory check
+        with placement.context():
+            self.partition, self.workers = placement.build(model, self.schedule, self.checkpoint)
+        self.forward_schedule = forward_only_like(self.schedule)
+        self.warmed_up = {"train": not options.warm_up, "forward": not options.warm_up}
+
+    # -- training --------------------------------------------------------------------------
+    def step(self, inputs: Any, targets: Any = None) -> StepResult:
+        warn_if_batch_norm(self.model, self.n_microbatches)
+        placement = self.placement
+        with placement.context(), self.finite_checks.step(), loss_check.usage_errors():
+            inputs, targets, weight = placement.share(inputs, targets, self.count_tokens)
+            chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous,
+                                                       self.count_tokens)
+            check_traced(self.partition, self.model, chunks)
+            if self.memory_limits is not None and self.activation_budgets is None:
+                self.activation_budgets = placement.activation_budgets(self, chunks[0], target_chunks[0])
+            if not self.warmed_up["train"]:
+                self._warm_up(self.schedule, chunks[0], target_chunks[0])
+                self.warmed_up["train"] = True
+            schedule = self.schedule
+            rows, wall_seconds, place_observed = self._run(schedule, chunks, target_chunks, weights)
+            found = losses(schedule, rows)
+            labels = placement.trace_labels()
+            op_seconds = sum(durations(rows, labels["replayed"]).values())
+            result = StepResult(step_loss(weights, found, self.asynchronous), found, wall_seconds, op_seconds,
+                                lambda: build_trace(schedule, rows, place_observed, **labels))
+            return placement.combine(result, weight)
+
+    # -- forward only ----------------------------------------------------------------------
+    def infer(self, inputs: Any) -> InferenceResult:
+        schedule = self.forward_schedule
+        with self.placement.context(), torch.no_grad():
+            chunks = microbatch.split(inputs, self.n_microbatches)
+            check_traced(self.partition, self.model, chunks)
+            if not self.warmed_up["forward"]:
+                self._warm_up(schedule, chunks[0], None)
+                self.warmed_up["forward"] = True
+            m = len(chunks)
+            rows, wall_seconds, place_observed = self._run(schedule, chunks, [None] * m, [1.0] * m)
+            trace = build_trace(schedule, rows, place_observed, **self.placement.trace_labels())
+        last = self.workers.get(self.n_stages - 1)
+        output = None if last is None else merged_outputs([last.outputs[i] for i in range(m)])
+        return InferenceResult(output, trace, wall_seconds)
+
+    def generate(self, prompts: torch.Tensor, new_tokens: int, lanes: int | None = None) -> GenerationResult:
+        lanes = self.n_microbatches if lanes is None else lanes
+        check_generation(prompts, new_tokens, lanes)
+        check_length(self.partition.stages[0], prompts.shape[1], new_tokens)
+        schedule = generation(self.n_stages, lanes, new_tokens, self.schedule.device_of_stage())
+        groups = microbatch.split(prompts, lanes)
+        with self.placement.context(), torch.no_grad():
+            # a lane's messages have its prompt's length in round 0, one token's after: the transport's shapes
+            shapes = [(microbatch.signature(groups[k % lanes]), k < lanes) for k in range(lanes * new_tokens)]
+            rows, _, place_observed = self._run(schedule, groups, [None] * lanes, [1.0] * lanes, shapes)
+            last = self.workers.get(self.n_stages - 1)
+            tokens = None
+            if last is not None:
+                tokens = torch.cat([torch.cat([group, *(last.outputs[r * lanes + j].to(prompts.device)
+                                                        for r in range(new_tokens))], dim=1)
+                                    for j, group in enumerate(groups)], dim=0)
+            tokens = self.placement.from_last_stage(tokens, prompts.shape[0], prompts.shape[1] + new_tokens)
+        trace = build_trace(schedule, rows, place_observed, **self.placement.trace_labels())
+        return GenerationResult(tokens.to(prompts.dtype), trace, new_tokens)
+
+    # -- the run itself ----------------------------------------------------------------------
+    def _run(self, schedule: Schedule, chunks: list, target_chunks: list, weights: list[float],
+             shapes: list | None = None):
+        """Run this process's actions of `schedule` on `chunks`; every action's row, this process's seconds, and the
+        observed memory's placing.  `shapes[i]`: what sets the shapes of micro-batch i's messages (default: its
+        chunk's `microbatch.signature`)."""
+        placement = self.placement
+        observer = MemoryObserver(schedule.device_of_stage(), placement.parameters(), self.activation_budgets)
+        for worker in self.workers.values():
+            worker.start_step(chunks, target_chunks, weights, observer)
+        shapes = [microbatch.signature(chunk) for chunk in chunks] if shapes is None else shapes
+        transport = placement.transport(schedule, observer, shapes)
+        clock = ActionClock(placement.devices)
+        begin = time.perf_counter()
+        with placement.running(schedule):
+            run_actions(schedule, placement.order(schedule), self.workers, transport, clock, observer)
+            placement.finish(schedule, transport, training=not schedule.forward_only)
+        observer.close()
+        rows, place_observed = placement.gather(schedule, clock, observer, transport, self.workers)
+        return rows, time.perf_counter() - begin, place_observed
+
+    def _warm_up(self, schedule: Schedule, inputs: Any, targets: Any) -> None:
+        """One micro-batch of `schedule`'s stages and profiles, untimed (`schedules/warm_up.py`), through the same
+        loop and transport: PyTorch initialises kernels lazily, and the first backward of some ops costs hundreds
+        of milliseconds.  Nothing it does stays: the gradients are set aside (its own are dropped), BatchNorm's
+        statistics and the random state restored, an asynchronous schedule's weight stash not used."""
+        warm = warm_up_like(schedule)
+        parameters = self.placement.parameters()
+        grads = [(p, p.grad) for p in parameters]
+        stashes = {s: worker.stash for s, worker in self.workers.items()}
+        devices = [d for d in self.placement.devices if d.type == "cuda"]
+        try:
+            for p in parameters:
+                p.grad = None
+            for worker in self.workers.values():
+                worker.stash = None
+                worker.start_step([inputs], [targets], [1.0])
+            with stage_ops.buffers_kept(self.model.buffers()), torch.random.fork_rng(devices=devices):
+                transport = self.placement.transport(warm, None, [microbatch.signature(inputs)])
+                run_actions(warm, self.placement.order(warm), self.workers, transport, ActionClock([]), reporting=False)
+                self.placement.finish(warm, transport, training=False)
+        finally:
+            for s, worker in self.workers.items():
+                worker.stash = stashes[s]
+            for p, grad in grads:
+                p.grad = grad
