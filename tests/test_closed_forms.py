@@ -75,7 +75,7 @@ def test_zero_bubble_h1_is_a_lower_bound_outside_its_domain():
             outside += 1
             assert form.lower_bound and "here a lower bound" in form.caveat and "makespan ≥" in form.describe()
     assert outside > 20  # the bound was tested, not only the equality
-    assert not closed_form("zb-h1", 4, 8, pl.Costs(1.0, 2.0, 3.0)).exact  # t_W > t_F: the simulator's makespan is larger
+    assert not closed_form("zb-h1", 4, 8, pl.Costs(1.0, 2.0, 3.0)).exact  # t_W > t_F: the simulated makespan is more
     assert pl.simulate(pl.schedules.zero_bubble_h1(4, 8), pl.Costs(1.0, 2.0, 3.0)).makespan > 48
 
 

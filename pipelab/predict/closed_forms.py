@@ -45,7 +45,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "pipedream-async")
 
 _ALIASES = {"gpipe": "gpipe", "1f1b": "1f1b", "onefoneb": "1f1b", "pipedreamflush": "1f1b",
             "interleaved": "interleaved-1f1b", "interleaved1f1b": "interleaved-1f1b",
-            "zbh1": "zb-h1", "zerobubbleh1": "zb-h1", "pipedreamasync": "pipedream-async", "pipedream": "pipedream-async"}
+            "zbh1": "zb-h1", "zerobubbleh1": "zb-h1",
+            "pipedreamasync": "pipedream-async", "pipedream": "pipedream-async"}
 
 _SOURCES = {
     "gpipe": "Huang et al. 2019, GPipe §2.3; Megatron-LM SC21 §2.2.1",
@@ -105,7 +106,8 @@ def closed_form(schedule: str, n_stages: int, n_microbatches: int, costs: Costs 
     timed by `costs` (default t_F = 1, t_B = 2; its latency and bandwidth are left out).  Interleaved:
     `n_chunks` = v chunks per device, `costs` per chunk, as `simulate` takes them (module docstring)."""
     key = schedule_key(schedule)
-    p, m, v = _positive("n_stages", n_stages), _positive("n_microbatches", n_microbatches), _positive("n_chunks", n_chunks)
+    p, m = _positive("n_stages", n_stages), _positive("n_microbatches", n_microbatches)
+    v = _positive("n_chunks", n_chunks)
     costs = Costs() if costs is None else costs
     if not isinstance(costs, Costs):
         raise TypeError(f"costs must be a pl.Costs, got {type(costs).__name__}")
