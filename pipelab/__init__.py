@@ -39,7 +39,8 @@ from .schedules.trace import Event, MemorySample, Message, Trace, Wait
 LAZY = {  # pl.<name> -> its module, imported when first asked for (matplotlib and ipywidgets are slow to load)
     "plot": "show.plot", "widgets": "show.widgets",
     "distributed": "distributed",
-    "communication": "predict.communication", "hybrid_costs": "predict.hybrid_costs",
+    "closed_forms": "predict.closed_forms", "communication": "predict.communication",
+    "hybrid_costs": "predict.hybrid_costs",
     "pipedream": "schedules.pipedream", "warmup_depth": "schedules.warmup_depth",
     "split_backward": "model.split_backward", "threads": "common.threads",
     **{name: f"course.{name}" for name in ("applications", "balance", "capstone", "compare_engines", "fastest",

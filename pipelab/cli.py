@@ -2,7 +2,7 @@
 
     pipelab run --model mlp --stages 4 --microbatches 8 --schedule 1f1b [--steps N] [--device cpu|cuda] [--json F]
     pipelab run --backend distributed --nproc 4 ...      (one process per stage, torch.distributed)
-    pipelab simulate --stages 8 --microbatches 32 --schedule 1f1b
+    pipelab simulate --stages 8 --microbatches 32 --schedule 1f1b [--forward 1 --backward 2 --weight 0 --latency 0]
     pipelab lab [jupyter-lab options]
     pipelab grade [task]
     pipelab plan --sc21 145.6B | --layers L --hidden H --heads A --devices N --batch B ...   (rank every layout)
@@ -22,10 +22,12 @@ import torch
 from .common.errors import PipelineError
 from .planning import add_plan_arguments, add_search_arguments, plan_command, search_command
 from .course.grade import main as grade_main
+from .predict.closed_forms import closed_form
 from .predict.costs import Costs
 from .predict.simulate import simulate as run_simulation
 from .runtime.processes import DistributedError, Interrupted, launch
 from .schedules import by_name
+from .schedules.action import Kind
 from .training import add_run_arguments, finish, positive, train_local, train_rank, write_outputs
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +49,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--microbatches", type=positive, default=8)
     sim.add_argument("--schedule", default="1f1b")
     sim.add_argument("--forward", type=float, default=1.0, help="seconds of one micro-batch's forward per stage")
-    sim.add_argument("--backward", type=float, default=2.0, help="seconds of one micro-batch's backward per stage")
+    sim.add_argument("--backward", type=float, default=2.0,
+                     help="seconds of one micro-batch's backward per stage (zb-h1: its input-gradient half)")
+    sim.add_argument("--weight", type=float, default=0.0,
+                     help="seconds of one micro-batch's weight-gradient half W per stage (zb-h1, which splits the "
+                          "backward; the other schedules run whole backwards: add it to --backward)")
     sim.add_argument("--latency", type=float, default=0.0, help="seconds per message between stages")
     sim.add_argument("--out", type=Path, default=Path("pipelab-out"))
 
@@ -106,17 +112,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def simulate(args: argparse.Namespace) -> int:
+    """Simulate the schedule on equal stages and print it beside its own closed form (predict/closed_forms.py)."""
     try:
         schedule = by_name(args.schedule, args.stages, args.microbatches)
-        trace = run_simulation(schedule, Costs(forward=args.forward, backward=args.backward, latency=args.latency))
+        splits = Kind.W in {action.kind for action in schedule.all_actions()}
+        if args.weight and not splits:
+            raise ValueError(f"--weight is the weight-gradient half W of a split backward, and {schedule.name} "
+                             "runs whole backwards: add t_W to --backward, or choose --schedule zb-h1")
+        costs = Costs(forward=args.forward, backward=args.backward, weight=args.weight, latency=args.latency)
+        trace = run_simulation(schedule, costs)
+        form = closed_form(schedule.name, args.stages, args.microbatches, costs)
     except (ValueError, TypeError) as error:
         print(f"pipelab simulate: {error}", file=sys.stderr)
         return 2
     p, m = args.stages, args.microbatches
     print(schedule.to_text() if p * m <= 512 else f"(grid of {p} x {2 * (m + p - 1)} steps not printed)")
-    print(f"\n{schedule.name}: p={p}, m={m}, t_F={args.forward}, t_B={args.backward}, latency={args.latency}")
-    print(f"makespan {trace.makespan:.4g}   bubble fraction {trace.bubble_fraction:.2%}   "
-          f"(formula (p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.2%}, without communication)")
+    times = f"t_F={args.forward}, t_B={args.backward}" + (f", t_W={args.weight}" if splits else "")
+    print(f"\n{schedule.name}: p={p}, m={m}, {times}, latency={args.latency}")
+    print(f"makespan {trace.makespan:.4g}   bubble fraction {trace.bubble_fraction:.2%}")
+    print(f"formula ({form.source}), without communication: {form.describe()}")
     print(f"peak in-flight micro-batches per stage: {trace.peak_inflight}")
     stem = f"simulated_{schedule.name}_p{p}_m{m}"
     write_outputs(trace, args.out / f"{stem}.png", args.out / f"{stem}.json")

@@ -108,6 +108,22 @@ def test_simulate_prints_grid_and_metrics(tmp_path, capsys):
     assert "unknown schedule" in capsys.readouterr().err
 
 
+def test_simulate_zero_bubble_prints_its_own_formula_and_runs_its_w(tmp_path, capsys):
+    assert main(["simulate", "--schedule", "zb-h1", "--stages", "4", "--microbatches", "8", "--forward", "1",
+                 "--backward", "2", "--weight", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    expected = pl.simulate(pl.schedules.zero_bubble_h1(4, 8), pl.Costs(forward=1.0, backward=2.0, weight=1.0))
+    assert expected.makespan == 8 * (1 + 2 + 1) + 3 * (1 + 2 - 1)  # Zero Bubble PP, Table 2: 38, not t_W = 0's 30
+    assert f"makespan {expected.makespan:.4g} " in out and f"bubble fraction {expected.bubble_fraction:.2%}" in out
+    assert "t_W=1.0" in out and "Zero Bubble" in out
+    assert f"bubble = (p-1)(t_F+t_B-t_W) / makespan = {expected.bubble_fraction:.2%}" in out
+    assert "(p-1)/(m+p-1)" not in out  # not GPipe's formula
+    assert main(["simulate", "--schedule", "zb-h1", "--weight", "3", "--out", str(tmp_path)]) == 0
+    assert "makespan ≥" in capsys.readouterr().out  # t_W > t_F: the formula is a bound there
+    assert main(["simulate", "--schedule", "gpipe", "--weight", "1", "--out", str(tmp_path)]) == 2
+    assert "--weight is the weight-gradient half W" in capsys.readouterr().err
+
+
 def test_lab_opens_jupyterlab_on_the_lessons(monkeypatch):
     import subprocess
 

@@ -21,7 +21,7 @@ stage (⌈L/p⌉ layers plus the output layer, which the last stage runs), per m
     msg = latency + (A/t)/bw on the "pp" link, then an all-gather of it over t (SC21 §4.1's
           scatter/gather); v messages per direction with v chunks (interleaved), none when p = 1
 
-and the pipeline, closed forms of CURRICULUM.md (each checked against `simulate` in the tests):
+and the pipeline, closed forms of CURRICULUM.md (closed_forms.py, each checked against `simulate`):
 
     GPipe, 1F1B   (m + p − 1)·(T_F + T_B)                     bubble (p−1)/m of the ideal time
     interleaved   m·(T_F + T_B) + (p−1)·(T_F + T_B)/v          bubble (p−1)/(v·m)   (m a multiple of p,
@@ -64,19 +64,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from .budget import format_bytes
+from .closed_forms import microbatches_in_flight, pipeline_seconds
 from .communication import pipeline_sent, ring_allreduce_elements_per_device
 from .hybrid_costs import Link, all_reduce_seconds
 from .layout import Layout
 from .profiled_model import ProfiledModel
 from .stage_work import StageWork
-from .transformer_memory import (
-    RECOMPUTE,
-    SCHEDULES,
-    DeviceBytes,
-    TransformerSpec,
-    microbatches_in_flight,
-    pipeline_seconds,
-)
+from .transformer_memory import RECOMPUTE, SCHEDULES, DeviceBytes, TransformerSpec
 
 
 @dataclass(frozen=True)

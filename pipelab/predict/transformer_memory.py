@@ -41,7 +41,7 @@ Other value sizes than 2 bytes scale the formula by bytes_per_value/2 (the masks
 
 A schedule multiplies these: `pipeline_seconds` (the step's pipeline part from one micro-batch's
 T_F, T_B, T_W) and `microbatches_in_flight` (how many micro-batches' activations a stage holds),
-the closed forms of CURRICULUM.md, each checked against `simulate` in tests/test_planner.py.
+the closed forms of CURRICULUM.md, which live in closed_forms.py with every schedule's others.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .budget import format_bytes
+from .closed_forms import microbatches_in_flight, pipeline_seconds  # noqa: F401 (the planner's, kept here too)
 
 RECOMPUTE = ("none", "selective", "full")
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
@@ -164,39 +165,6 @@ class DeviceBytes:
     def __str__(self) -> str:
         return (f"parameters {format_bytes(self.parameters)}, gradients {format_bytes(self.gradients)}, "
                 f"optimizer {format_bytes(self.optimizer)}, activations {format_bytes(self.activations)}")
-
-
-def pipeline_seconds(schedule: str, n_stages: int, n_microbatches: int, forward: float, backward: float,
-                     weight: float = 0.0, chunks: int = 1) -> float:
-    """A step's pipeline part, every stage alike (forward, backward, weight: one micro-batch's T_F, T_B, T_W on
-    one device, all its chunks together; T_B without T_W for "zb-h1", which needs m >= p and T_W <= T_F):
-
-        gpipe, 1f1b   (m + p − 1)·(T_F + T_B)                  GPipe §2.3; SC21 §2.2.1
-        interleaved   m·(T_F + T_B) + (p − 1)·(T_F + T_B)/v     SC21 §2.2.2
-        zb-h1         m·(T_F + T_B + T_W) + (p − 1)·(T_F + T_B − T_W)   Zero Bubble PP, Table 2
-    """
-    p, m = n_stages, n_microbatches
-    if schedule in ("gpipe", "1f1b"):
-        return (m + p - 1) * (forward + backward + weight)
-    if schedule == "interleaved":
-        return (m + (p - 1) / chunks) * (forward + backward + weight)
-    if schedule == "zb-h1":
-        return m * (forward + backward + weight) + (p - 1) * (forward + backward - weight)
-    raise ValueError(f"unknown schedule {schedule!r}; choose one of {SCHEDULES}")
-
-
-def microbatches_in_flight(schedule: str, n_stages: int, n_microbatches: int, chunks: int = 1) -> tuple[float, float]:
-    """(first stage, last stage): whole-stage micro-batches whose activations a device holds at its peak.
-
-    GPipe m on every stage; 1F1B and ZB-H1 min(p − s, m) on stage s (ZB-H1 keeps a micro-batch until its W);
-    interleaved, in chunk-micro-batches of 1/v of a stage, Megatron's warm-up plus one: min(v·p + p − 1, v·m)
-    on device 0, min((v − 1)·p + 1, v·m) on device p − 1 (CURRICULUM.md; tested against `simulate`)."""
-    p, m, v = n_stages, n_microbatches, chunks
-    if schedule == "gpipe":
-        return m, m
-    if schedule == "interleaved":
-        return min(v * p + p - 1, v * m) / v, min((v - 1) * p + 1, v * m) / v
-    return min(p, m), min(1, m)
 
 
 def _check_recompute(recompute: str) -> None:

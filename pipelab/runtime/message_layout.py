@@ -1,6 +1,6 @@
 """What a message between stages looks like, sent once per input shape so that the receiver can allocate.
 
-A message is any structure (`model/boundary.py`); its `Layout` is the structure's `TreeSpec` and,
+A message is any structure (`model/boundary.py`); its `MessageLayout` is the structure's `TreeSpec` and,
 for each leaf in pytree order, a tensor's dtype and shape, or the value itself (an int, a string,
 None).  The receiver allocates one buffer per tensor leaf and rebuilds the structure around them.
 The layout travels as pickled bytes (a length, then the bytes), the first time a micro-batch
@@ -26,23 +26,24 @@ from torch.utils._pytree import (
 
 
 @dataclass(frozen=True)
-class Layout:
+class MessageLayout:
+    """How one message's leaves are laid out: its structure and, per leaf, a tensor's dtype and shape or a value.
+    (Not `pl.Layout`, the (dp, pp, tp) layout of ranks in predict/layout.py.)"""
+
     spec: TreeSpec
     leaves: tuple  # per leaf: ("tensor", dtype, shape) or ("value", the value)
 
     @classmethod
-    def of(cls, message: Any) -> "Layout":
+    def of(cls, message: Any) -> "MessageLayout":
         flat, spec = tree_flatten(message)
         return cls(spec, tuple(("tensor", leaf.dtype, tuple(leaf.shape)) if isinstance(leaf, torch.Tensor)
                                else ("value", leaf) for leaf in flat))
 
-    def tensor_positions(self) -> list[int]:
-        return [k for k, leaf in enumerate(self.leaves) if leaf[0] == "tensor"]
-
-    def of_gradient(self) -> "Layout":
+    def of_gradient(self) -> "MessageLayout":
         """The layout of the gradient that comes back for a message of this layout."""
-        return Layout(self.spec, tuple(leaf if leaf[0] == "tensor" and (leaf[1].is_floating_point or leaf[1].is_complex)
-                                       else ("value", None) for leaf in self.leaves))
+        return MessageLayout(self.spec, tuple(
+            leaf if leaf[0] == "tensor" and (leaf[1].is_floating_point or leaf[1].is_complex) else ("value", None)
+            for leaf in self.leaves))
 
     def rebuild(self, tensors: list[torch.Tensor]) -> Any:
         """The message: this layout's structure with `tensors` at its tensor leaves, in order."""
@@ -61,12 +62,12 @@ class Layout:
         return torch.frombuffer(bytearray(pickle.dumps((spec, self.leaves))), dtype=torch.uint8)
 
     @classmethod
-    def decode(cls, data: torch.Tensor) -> "Layout":
+    def decode(cls, data: torch.Tensor) -> "MessageLayout":
         (how, spec), leaves = pickle.loads(data.numpy().tobytes())
         return cls(treespec_loads(spec) if how == "json" else spec, leaves)
 
 
-def gradient_leaves(layout: Layout, gradient: Any, device: torch.device) -> list[torch.Tensor]:
+def gradient_leaves(layout: MessageLayout, gradient: Any, device: torch.device) -> list[torch.Tensor]:
     """The tensors to send back for a message of `layout`: each differentiable leaf's gradient, zeros where it got
     none (the receiver allocated a buffer for it; a zero gradient changes nothing)."""
     grads = [None] * len(layout.leaves) if gradient is None else tree_flatten(gradient)[0]

@@ -31,7 +31,7 @@ from ..common.errors import LostRankError, PipelineError
 from ..schedules.action import Action
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
-from .message_layout import Layout, gradient_leaves
+from .message_layout import MessageLayout, gradient_leaves
 
 MAX_TENSORS = 64  # tensors in one message
 SLOTS = MAX_TENSORS + 2  # tags per message: the layout's length, the layout, one per tensor
@@ -96,7 +96,7 @@ class _Incoming:
     def __init__(self, source: Action, consumer: Action):
         self.source, self.consumer = source, consumer
         self.header: tuple[torch.Tensor, Any] | None = None  # (length buffer, work) while a layout is expected
-        self.payload: tuple[Layout, list[tuple[torch.Tensor, Any]]] | None = None  # once its receives are posted
+        self.payload: tuple[MessageLayout, list[tuple[torch.Tensor, Any]]] | None = None  # once its receives are posted
 
 
 class PointToPointTransport:
@@ -112,15 +112,15 @@ class PointToPointTransport:
         # per sending rank, the messages it sends to this rank, in its order
         self.channels = {sender: [_Incoming(source, consumer) for source, consumer in messages]
                          for sender, messages in incoming(schedule, rank).items()}
-        self.known_layouts: dict[tuple, Layout] = {}  # (boundary stage, input signature) -> what arrives
-        self.layouts_sent: dict[tuple, Layout] = {}  # (boundary stage, input signature) -> what was announced
+        self.known_layouts: dict[tuple, MessageLayout] = {}  # (boundary stage, input signature) -> what arrives
+        self.layouts_sent: dict[tuple, MessageLayout] = {}  # (boundary stage, input signature) -> what was announced
         self.observer = None  # a MemoryObserver, told of each receive buffer when it is posted
 
     def start_step(self, signatures: list[tuple]) -> None:
         """Reset for a step; `signatures[i]` describes micro-batch i's input (shapes and dtypes)."""
         self.signatures = signatures
         self.local: dict[Action, Any] = {}  # messages between two stages of this rank
-        self.sent_layouts: dict[tuple[int, int], Layout] = {}  # (stage, mb) -> the layout of the activation sent
+        self.sent_layouts: dict[tuple[int, int], MessageLayout] = {}  # (stage, mb) -> the layout of the activation sent
         self.sends: list[tuple[Any, torch.Tensor, int]] = []  # (the isend, its tensor kept alive, to whom)
         self.next_to_post = {sender: 0 for sender in self.channels}
         self.position = {m.consumer: (sender, k) for sender, queue in self.channels.items() for k, m in enumerate(queue)}
@@ -168,7 +168,7 @@ class PointToPointTransport:
                 for buffer, _ in receives:
                     self.observer.keep(message.consumer.stage, buffer, "received")
 
-    def _layout_of(self, message: _Incoming, block: bool) -> Layout | None:
+    def _layout_of(self, message: _Incoming, block: bool) -> MessageLayout | None:
         """What `message` holds; an activation of a new input shape first receives its layout (a length, then the
         bytes); without `block`, None while the length has not arrived."""
         source = message.source
@@ -190,7 +190,7 @@ class PointToPointTransport:
         data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
         self._wait(dist.irecv(data, group=self.group, group_src=peer, tag=_tag(source, self.n_microbatches, 1)),
                    peer, f"waiting for the layout of {source}")
-        self.known_layouts[key] = Layout.decode(data.cpu())
+        self.known_layouts[key] = MessageLayout.decode(data.cpu())
         message.header = None
         return self.known_layouts[key]
 
@@ -201,7 +201,7 @@ class PointToPointTransport:
             return
         destination = self.device_of_stage[target]
         if action.spec.sends > 0:  # an activation
-            layout = Layout.of(message)
+            layout = MessageLayout.of(message)
             self.sent_layouts[(action.stage, action.microbatch)] = layout
             if destination != self.rank:
                 self._announce(action, layout, destination)
@@ -223,7 +223,7 @@ class PointToPointTransport:
                               tag=_tag(action, self.n_microbatches, 2 + k))
             self.sends.append((work, tensor, destination))
 
-    def _announce(self, action: Action, layout: Layout, destination: int) -> None:
+    def _announce(self, action: Action, layout: MessageLayout, destination: int) -> None:
         """Send the layout the first time a micro-batch input of this shape crosses this boundary; later, check
         that it is the same (values that are not tensors travel in the layout only)."""
         key = (action.stage, self.signatures[action.microbatch])

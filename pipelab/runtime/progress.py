@@ -87,9 +87,14 @@ def _text(text: str) -> bytes:
     return text.encode()[:SIZE - _WHEN].ljust(SIZE - _WHEN)
 
 
+WAITS_FOR = {+1: "an activation", -1: "a gradient"}
+"""What an action waits for, by where its producer sends (`KindSpec.sends`): forward to the next stage
+(F, E: an activation from stage s-1), back to the previous one (B, I: a gradient from stage s+1)."""
+
+
 def _texts(schedule) -> dict:
     """{action: (its bytes while it waits, while it computes)}; it waits for "a gradient from rank 1" when
-    another device sends its message, else it computes from the start."""
+    another device sends its message (`WAITS_FOR`), else it computes from the start."""
     import torch.distributed as dist
 
     from ..schedules.routes import Routes
@@ -101,7 +106,7 @@ def _texts(schedule) -> dict:
         computing = _text(f"computing\t{action}\t")
         producer = routes.producer(action)
         if producer is not None and device_of[producer.stage] != device_of[action.stage]:
-            what = "an activation" if action.kind.value == "F" else "a gradient"
+            what = WAITS_FOR[producer.spec.sends]
             found[action] = (_text(f"waiting\t{action}\t{what} from {where} {device_of[producer.stage]}"), computing)
         else:
             found[action] = (computing, computing)

@@ -18,6 +18,7 @@ import torch
 
 from ..common.gc_pause import gc_paused
 from ..model import models
+from ..predict.closed_forms import closed_form
 from ..predict.costs import Costs
 from ..predict.simulate import simulate
 from ..runtime.local import Pipeline
@@ -51,7 +52,7 @@ class ExplorerView:
     formula_bubble: float | None  # the schedule's closed form (no communication); None where it does not hold
     memory_budget: float | None = None  # per device, in micro-batch activation units
     inputs: tuple = ()  # explorer_view's arguments, the memory budget last: what the pictures depend on
-    formula_text: str = "(p-1)/(m+p-1)"  # GPipe §2.3, Megatron-LM SC21 §2.2.1
+    formula_text: str = "(p-1)/(m+p-1)"  # the closed form's text (predict/closed_forms.py, with its source)
     weight_versions: list[int] | None = None  # asynchronous PipeDream: versions each stage holds at most
     last_versions: list[int] | None = None  # ... and the version each stage's F of the last micro-batch used
 
@@ -102,21 +103,14 @@ def explorer_costs(schedule: str, backward_ratio: float, latency: float, n_chunk
 
 
 def explorer_formula(schedule: str, p: int, m: int, costs: Costs, n_chunks: int) -> tuple[float | None, str]:
-    """(bubble fraction, its formula as text) at the costs, without communication.
-
-    GPipe, 1F1B, PipeDream's table: (p-1)/(m+p-1).  Interleaved: (p-1)/(v m + p - 1) (Megatron-LM
-    SC21 §2.2.2: (p-1)/(v m) of the ideal time).  ZB-H1: idle (p-1)(t_F+t_B-t_W) per stage against
-    the work m (t_F+t_B+t_W) (Zero Bubble PP, Table 2), for m >= p and t_W <= t_F, t_B only.
-    """
-    if schedule == "interleaved-1f1b":
-        return (p - 1) / (n_chunks * m + p - 1), "(p-1)/(vm+p-1)"
-    if schedule == "zb-h1":
-        t_f, t_b, t_w = costs.forward, costs.backward, costs.weight
-        if m < p or t_w > min(t_f, t_b):
-            return None, "(p-1)(t_F+t_B-t_W) / makespan holds only for m ≥ p and t_W ≤ t_F, t_B"
-        idle = (p - 1) * (t_f + t_b - t_w)
-        return idle / (m * (t_f + t_b + t_w) + idle), "(p-1)(t_F+t_B-t_W) / makespan"
-    return (p - 1) / (m + p - 1), "(p-1)/(m+p-1)"
+    """(bubble fraction, its formula as text) at the costs, without communication: the schedule's
+    closed form (`pipelab.predict.closed_forms`, where each formula is given with its source); the
+    fraction None, and the text saying where it holds, outside the form's domain (ZB-H1: m < p or
+    t_W > t_F, t_B)."""
+    form = closed_form(schedule, p, m, costs, n_chunks)
+    if not form.exact:
+        return None, f"{form.bubble_text} holds only for {form.condition}"
+    return form.bubble_fraction, form.bubble_text
 
 
 def explorer_view(n_devices: int, n_microbatches: int, schedule: str = "1f1b", backward_ratio: float = 2.0,
