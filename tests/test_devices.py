@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import pipelab as pl
-from pipelab.runtime import local
+from pipelab.runtime import placement
 from pipelab.runtime.devices import assign_devices
 
 CPU = torch.device("cpu")
@@ -123,7 +123,7 @@ def test_the_local_engine_places_stages_by_the_schedules_devices(monkeypatch):
         seen.append(stages)
         return [torch.device("cpu")] * len(stages)
 
-    monkeypatch.setattr(local, "assign_devices", record)
+    monkeypatch.setattr(placement, "assign_devices", record)
     model = pl.models.mlp(depth=8, width=8)
     pl.Pipeline(model, n_stages=4, n_microbatches=4, schedule=pl.schedules.interleaved_1f1b(2, 4, 2),
                 loss_fn=torch.nn.MSELoss())
