@@ -63,8 +63,10 @@ class PipelineOptions:
             (`pipelab.model.split_backward`), and a micro-batch is held until its W.
         loss_fn: loss(output, target) returning the *mean* over a micro-batch; None for a model split by names that
             computes its own loss (`output.loss`, with labels in the batch).
-        loss_normalization: "samples" (micro-batch i counts n_i / N) or "tokens" (c_i / C, its counted tokens: labels
-            other than -100; exact for a token-mean loss with padding; `model/token_weights.py`).
+        loss_normalization: "samples" (micro-batch i counts n_i / N), "tokens" (c_i / C, its counted tokens: labels
+            other than -100; exact for a token-mean loss with padding; `model/token_weights.py`) or "auto" (the
+            default: tokens for the model's own loss, loss_fn=None, or a loss with an ignore_index such as
+            cross-entropy; samples otherwise).  Samples meeting -100 labels warn, once.
         split_method: "uniform", "params", "time" (needs `sample`) or a ready `Partition`.
         split_points: any `nn.Module` instead of an `nn.Sequential`: the names of the modules where stages begin
             (`model/named_split.py`); `sample` is then a whole batch, as the model's keyword arguments.
@@ -99,7 +101,7 @@ class PipelineOptions:
     n_microbatches: int
     schedule: str | Schedule = "1f1b"
     loss_fn: Callable | None = None
-    loss_normalization: str = "samples"
+    loss_normalization: str = "auto"
     split_method: str | Partition = "uniform"
     split_points: list[str] | None = None
     sample: Any = None

@@ -95,6 +95,7 @@ class RankPlacement:
         self.partition = partition = self._partition(model, schedule)
         if self.layout.tp > 1:  # every stage's plans, on every rank: a width tp does not divide fails on all alike
             check_plans(partition, self.plan_fn, self.layout.tp)
+        fingerprint.agree(fingerprint.cut_fields(partition, model), self.agreeing, self.device)
         device_of_stage = schedule.device_of_stage()
         self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
         self.shared = SharedParameters(partition.stages, model, device_of_stage, self.group, self.rank)
@@ -171,7 +172,9 @@ class RankPlacement:
 
     # -- a step -----------------------------------------------------------------------------------
     def share(self, inputs: Any, targets: Any, count_tokens) -> tuple[Any, Any, float]:
-        """This replica's share of the batch under data parallelism, and its weight n_r / N (or C_r / C)."""
+        """This replica's share of the batch under data parallelism, and its weight n_r / N (or C_r / C); first,
+        the ranks check that they were given the same batch (`fingerprint.batch_fields`)."""
+        fingerprint.agree_quickly(fingerprint.batch_fields(inputs, targets), self.agreeing, self.device)
         d, m = self.layout.dp, self.options.n_microbatches
         if d == 1:
             return inputs, targets, 1.0
