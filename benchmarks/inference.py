@@ -18,7 +18,7 @@ then on real processes beside PyTorch's own forward-only schedule.
    (8 layers, d_model 512), 16 prompts of 8 tokens, 24 new tokens each; tokens/s for p in {1, 4}
    and 1, 4 or 8 lanes, against one device (p = 1, all 16 prompts as one lane) and against one
    lane on the same p; every run's text asserted equal to the single device's.  Replayed: each
-   op timed in this process, one clock per stage (`runtime/generation.py`).
+   op timed in this process, one clock per stage (G actions, `pl.schedules.generation`, run by the step driver).
 4. Generation on two real processes (`DistributedPipeline.generate`, gloo): the same GPT and prompts,
    one stage per rank, 1, 2 or 4 lanes; tokens/s on the wall clock (the best of 3) and the text
    asserted equal to part 3's.

@@ -27,11 +27,11 @@ from .predict.planner import Plan, PlanRow, TransformerSpec, plan
 from .predict.profiled_model import ProfiledModel
 from .predict.schedule_search import search_schedule
 from .predict.simulate import simulate
-from .runtime.checkpoint import CheckpointError
+from .runtime.checkpoints.checkpoint import CheckpointError
 from .runtime.distributed import DistributedPipeline
 from .runtime.local import Pipeline, StepResult
 from .runtime.options import PipelineOptions
-from .runtime.processes import DistributedError
+from .runtime.launcher.processes import DistributedError
 from .schedules.action import Action
 from .schedules.schedule import Schedule
 from .schedules.trace import Event, MemorySample, Message, Trace, Wait

@@ -7,8 +7,8 @@
 and `pipelab run --backend distributed --nproc N ...` run the same engine from a shell.
 """
 
-from .runtime.checkpoint import load_into_model as load_checkpoint
+from .runtime.checkpoints.checkpoint import load_into_model as load_checkpoint
 from .runtime.distributed import DistributedPipeline
-from .runtime.processes import DistributedError, Interrupted, launch
+from .runtime.launcher.processes import DistributedError, Interrupted, launch
 
 __all__ = ["DistributedError", "DistributedPipeline", "Interrupted", "launch", "load_checkpoint"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import pipelab as pl
-from pipelab import cli
-from pipelab.cli import main
+from pipelab.commands import cli
+from pipelab.commands.cli import main
 
 
 def test_run_trains_and_reports(tmp_path, capsys):

@@ -14,7 +14,7 @@ import torch
 
 import pipelab as pl
 from pipelab import compare_engines as ce
-from pipelab.training import add_run_arguments
+from pipelab.commands.training import add_run_arguments
 
 SMALL = dict(width=64, depth=4, batch_size=32)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

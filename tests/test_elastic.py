@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import pipelab as pl
-from pipelab.runtime.resume import logged_losses
+from pipelab.commands.resume import logged_losses
 
 STEPS, DEPTH, WIDTH, BATCH, LR = 500, 4, 64, 16, 1e-3
 
@@ -110,18 +110,18 @@ def test_a_host_leaves_and_comes_back_and_the_loss_curve_goes_on(tmp_path):
 
 
 def test_resuming_options_say_where_they_apply(tmp_path, capsys):
-    from pipelab.cli import main
+    from pipelab.commands.cli import main
     assert main(["run", "--stages", "auto"]) == 2
     assert "--stages auto and --checkpoint are for the distributed engine" in capsys.readouterr().err
     assert main(["run", "--backend", "distributed", "--stages", "auto"]) == 2
     assert "give --nproc" in capsys.readouterr().err
     with pytest.raises(ValueError, match="checkpoint every must be a positive"):
-        from pipelab.runtime.resume import Resumable
+        from pipelab.commands.resume import Resumable
         Resumable(tmp_path, every=0)
 
 
 def test_a_finished_run_resumed_says_there_is_nothing_to_run(tmp_path, capsys):
-    from pipelab.cli import main
+    from pipelab.commands.cli import main
     args = ["run", "--backend", "distributed", "--nproc", "2", "--stages", "auto", "--depth", "2", "--width", "8",
             "--batch-size", "4", "--microbatches", "2", "--steps", "3", "--checkpoint", str(tmp_path / "run"),
             "--checkpoint-every", "2", "--out", str(tmp_path / "out")]

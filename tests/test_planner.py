@@ -227,7 +227,7 @@ def test_sc21_table_1_layout_is_in_the_top_three(name, layers, hidden, heads, t,
 
 
 def test_pipelab_plan_prints_the_ranked_table(capsys):
-    from pipelab import cli
+    from pipelab.commands import cli
 
     assert cli.main(["plan", "--layers", "12", "--hidden", "768", "--heads", "12", "--seq", "1024", "--devices", "8",
                      "--batch", "64", "--rows", "3"]) == 0

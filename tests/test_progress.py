@@ -1,4 +1,4 @@
-"""What a rank says it waits for (runtime/progress.py), read back as its launcher reads it.
+"""What a rank says it waits for (runtime/launcher/progress.py), read back as its launcher reads it.
 
 Reference: DESIGN.md's dependency rules, written out here per kind: F and E (forward only) wait for
 an activation from the device of stage s-1; B and I for a gradient from the device of stage s+1;

@@ -223,7 +223,7 @@ def test_the_distributed_engine_runs_a_found_schedule_on_two_ranks():
 
 
 def test_pipelab_search_prints_the_found_table_beside_the_named_ones(capsys):
-    from pipelab import cli
+    from pipelab.commands import cli
 
     assert cli.main(["search", "--stages", "3", "--microbatches", "6", "--memory-limit", "4"]) == 0
     out = capsys.readouterr().out

@@ -53,7 +53,7 @@ def for_host(command: str, interface: str) -> str:
 
 def launch_flags(command: str) -> argparse.Namespace:
     """The flags after `-m pipelab.launch`, parsed as pipelab.launch parses them."""
-    from pipelab.training import add_run_arguments
+    from pipelab.commands.training import add_run_arguments
 
     words = shlex.split(command)
     parser = argparse.ArgumentParser()
@@ -63,7 +63,7 @@ def launch_flags(command: str) -> argparse.Namespace:
 
 def single_device_losses(flags: argparse.Namespace) -> list[float]:
     """The run's model, batch, loss and Adam, trained in this process without a pipeline."""
-    from pipelab import run_models
+    from pipelab.commands import run_models
 
     made = run_models.build(flags)
     optimizer = torch.optim.Adam(made.model.parameters(), lr=flags.lr)

@@ -43,7 +43,7 @@ from ..predict.schedule_search import search_schedule
 from ..predict.simulate import simulate
 from ..predict.transformer_memory import TransformerSpec
 from ..runtime.distributed import DistributedPipeline
-from ..runtime.processes import launch
+from ..runtime.launcher.processes import launch
 from ..schedules import gpipe, interleaved_1f1b, one_f_one_b, zero_bubble_h1
 from ..schedules.action import Action, Kind
 from ..schedules.schedule import Schedule

@@ -31,7 +31,7 @@ from ..predict.costs import Costs
 from ..predict.simulate import simulate
 from ..runtime.distributed import DistributedPipeline
 from ..runtime.local import Pipeline
-from ..runtime.processes import DistributedError, launch
+from ..runtime.launcher.processes import DistributedError, launch
 from ..schedules.action import GRADIENT, GRADIENT_KINDS, Action
 from ..schedules.trace import Trace, Wait
 

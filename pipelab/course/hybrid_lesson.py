@@ -30,7 +30,7 @@ from ..predict.comm_formulas import STEP_KINDS, step_bytes
 from ..predict.hybrid_costs import ModelCosts, cluster_links, predict
 from ..predict.layout import Layout
 from ..runtime.distributed import DistributedPipeline
-from ..runtime.processes import launch
+from ..runtime.launcher.processes import launch
 
 KINDS = STEP_KINDS  # the bars and columns: "pp", "pp_gather", "tp", "dp"
 BATCH, MICROBATCHES = 16, 4

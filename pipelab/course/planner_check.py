@@ -49,7 +49,7 @@ from ..predict.planner import PlanRow, plan
 from ..predict.transformer_memory import TransformerSpec
 from ..runtime.distributed import DistributedPipeline
 from ..runtime.local import Pipeline
-from ..runtime.processes import launch
+from ..runtime.launcher.processes import launch
 from ..schedules import interleaved_1f1b
 
 MIB = 2**20

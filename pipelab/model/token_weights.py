@@ -7,9 +7,12 @@ full-batch loss is S / C with C = sum_i c_i, so micro-batch i must count c_i / C
 
     sum_i (c_i / C) * L_i = sum_i S_i / C = S / C                     (loss_normalization="tokens")
 
-Weighting by samples instead, n_i / N (the default, exact for a per-sample mean such as MSE or
-a classifier's cross-entropy), gives sum_i (n_i / N) * S_i / c_i, which differs from S / C as
-soon as the micro-batches hold different numbers of counted tokens: padding.  Megatron-LM
+Weighting by samples instead, n_i / N (exact for a per-sample mean such as MSE or a classifier's
+cross-entropy), gives sum_i (n_i / N) * S_i / c_i, which differs from S / C as soon as the
+micro-batches hold different numbers of counted tokens: padding.  The default, "auto", picks
+tokens for the model's own loss (loss_fn=None: Hugging Face's losses average over counted
+labels) and for a loss with an `ignore_index` (cross-entropy, NLL), samples otherwise; a batch
+whose labels hold -100 weighed by samples gets a warning, once.  Megatron-LM
 divides by the global count of tokens (over micro-batches and data-parallel replicas) for this
 reason; Hugging Face's `num_items_in_batch` serves the same purpose in gradient accumulation.
 
@@ -24,7 +27,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-NORMALIZATIONS = ("samples", "tokens")
+NORMALIZATIONS = ("auto", "samples", "tokens")
 IGNORE_INDEX = -100  # the label PyTorch's cross_entropy and Hugging Face's losses leave out
 
 
@@ -53,12 +56,28 @@ def shifts_labels(model: nn.Module) -> bool:
     return getattr(loss, "__name__", "") == "ForCausalLMLoss"
 
 
-def token_counter(model: nn.Module, loss_fn: Callable | None, normalization: str) -> Callable | None:
-    """For loss_normalization="tokens": a function (inputs, targets) of one micro-batch -> its counted tokens,
-    reading the targets (or, without them, `inputs["labels"]`); None for "samples"."""
+def resolved(loss_fn: Callable | None, normalization: str) -> str:
+    """"samples" or "tokens": "auto" is tokens for the model's own loss or a loss with an ignore_index."""
     if normalization not in NORMALIZATIONS:
         raise ValueError(f"loss_normalization is one of {list(NORMALIZATIONS)}, got {normalization!r}")
-    if normalization == "samples":
+    if normalization != "auto":
+        return normalization
+    return "tokens" if loss_fn is None or hasattr(loss_fn, "ignore_index") else "samples"
+
+
+def ignored_labels(inputs: Any, targets: Any, loss_fn: Callable | None) -> bool:
+    """Whether the batch's labels (the targets, or `inputs["labels"]`) hold the ignored label (-100)."""
+    labels = targets if targets is not None else (inputs.get("labels") if isinstance(inputs, dict) else None)
+    if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+        return False
+    return bool((labels == getattr(loss_fn, "ignore_index", IGNORE_INDEX)).any())
+
+
+def token_counter(model: nn.Module, loss_fn: Callable | None, normalization: str) -> Callable | None:
+    """For loss_normalization="tokens" (or "auto" resolved to it): a function (inputs, targets) of one
+    micro-batch -> its counted tokens, reading the targets (or, without them, `inputs["labels"]`); None for
+    "samples"."""
+    if resolved(loss_fn, normalization) == "samples":
         return None
     ignore = getattr(loss_fn, "ignore_index", IGNORE_INDEX)
     shift = loss_fn is None and shifts_labels(model)

@@ -11,19 +11,18 @@ Details: docs/distributed.md, "How a rank runs a step".
 
 from __future__ import annotations
 
-import inspect
 import warnings
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..predict.layout import Layout
-from . import checkpoint, comm_count
+from . import comm_count
+from .checkpoints import checkpoint
 from .driver import StepDriver
 from .hybrid import full_gradients, local_shard, resolve_layout
-from .options import PipelineOptions, signature_with_options
+from .options import PipelineOptions, RankPlacementArgs, engine_signature
 from .rank_placement import RankPlacement
 from .step import GenerationResult, InferenceResult, StepResult
 
@@ -62,20 +61,20 @@ class DistributedPipeline:
             are held to what the limit leaves.
     """
 
-    def __init__(self, model: nn.Module, *, devices: Any = None, group=None, tensor_parallel: int = 1,
-                 data_parallel: int = 1, tensor_parallel_plan: Callable | None = None, layout: Layout | None = None,
-                 device: Any = None, options: PipelineOptions | None = None, **settings: Any):
-        if device is not None:
+    def __init__(self, model: nn.Module, *, options: PipelineOptions | None = None, **settings: Any):
+        self.options, where = PipelineOptions.build("DistributedPipeline", RankPlacementArgs, options, settings)
+        devices, layout, group = where.devices, where.layout, where.group
+        if where.device is not None:
             warnings.warn("DistributedPipeline(device=...) is now devices=..., as in pl.Pipeline", DeprecationWarning,
                           stacklevel=2)
-            devices = device if devices is None else devices
-        self.options = PipelineOptions.build("DistributedPipeline", options, settings)
-        hybrid = layout is not None or tensor_parallel_plan is not None or (data_parallel, tensor_parallel) != (1, 1)
+            devices = where.device if devices is None else devices
+        hybrid = (layout is not None or where.tensor_parallel_plan is not None
+                  or (where.data_parallel, where.tensor_parallel) != (1, 1))
         if hybrid and dist.is_available() and dist.is_initialized():
             if group is not None:
                 raise ValueError("a hybrid layout spans the whole world (its mesh); group= is for a plain pipeline")
-            layout = resolve_layout(dist.get_world_size(), layout, data_parallel, tensor_parallel)
-        self.placement = RankPlacement(self.options, devices, group, layout, tensor_parallel_plan, hybrid)
+            layout = resolve_layout(dist.get_world_size(), layout, where.data_parallel, where.tensor_parallel)
+        self.placement = RankPlacement(self.options, devices, group, layout, where.tensor_parallel_plan, hybrid)
         self.driver = StepDriver(model, self.options, self.placement)
         placement = self.placement
         self.model, self.loss_fn, self.n_microbatches = model, self.options.loss_fn, self.options.n_microbatches
@@ -122,7 +121,7 @@ class DistributedPipeline:
         """Save this rank's stage (and `optimizer`'s state) with torch.distributed.checkpoint; call on every rank.
 
         The checkpoint appears at `path` whole, once every rank's share is written, or not at all; an existing
-        one is replaced only with `overwrite=True` (`runtime/checkpoint.py`).  Any layout reads it back:
+        one is replaced only with `overwrite=True` (`runtime/checkpoints/checkpoint.py`).  Any layout reads it back:
         `load_checkpoint` on a pipeline of another depth, or `pl.distributed.load_checkpoint(model, path,
         optimizer)` into one plain model.
         """
@@ -165,4 +164,4 @@ class DistributedPipeline:
         return self.driver.generate(prompts, new_tokens, lanes)
 
 
-DistributedPipeline.__init__.__signature__ = signature_with_options(inspect.signature(DistributedPipeline.__init__))
+DistributedPipeline.__init__.__signature__ = engine_signature(RankPlacementArgs)

@@ -16,6 +16,7 @@ schedule of the same stages and profiles (`schedules/warm_up.py`) run through th
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -23,10 +24,10 @@ from torch import nn
 
 from ..model import loss_check, microbatch
 from ..model import stage as stage_ops
-from ..model.batch_norm import warn_if_batch_norm
+from ..model.batch_norm import warn_if_batch_norm, warn_if_router_loss
 from ..model.finite import FiniteChecks
 from ..model.kv_cache import check_length
-from ..model.token_weights import token_counter
+from ..model.token_weights import ignored_labels, token_counter
 from ..predict.budget import check_limit
 from ..predict.memory import checkpoint_plan
 from ..schedules.inference import forward_only_like, generation
@@ -71,15 +72,18 @@ class StepDriver:
             self.partition, self.workers = placement.build(model, self.schedule, self.checkpoint)
         self.forward_schedule = forward_only_like(self.schedule)
         self.warmed_up = {"train": not options.warm_up, "forward": not options.warm_up}
+        self.warned_samples = False  # "samples" meeting -100 labels: said once
 
     # -- training --------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> StepResult:
         warn_if_batch_norm(self.model, self.n_microbatches)
+        warn_if_router_loss(self.model, self.n_microbatches)
         placement = self.placement
         with placement.context(), self.finite_checks.step(), loss_check.usage_errors():
             inputs, targets, weight = placement.share(inputs, targets, self.count_tokens)
             chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous,
                                                        self.count_tokens)
+            self._warn_if_samples_meet_ignored_labels(inputs, targets)
             check_traced(self.partition, self.model, chunks)
             if self.memory_limits is not None and self.activation_budgets is None:
                 self.activation_budgets = placement.activation_budgets(self, chunks[0], target_chunks[0])
@@ -94,6 +98,17 @@ class StepDriver:
             result = StepResult(step_loss(weights, found, self.asynchronous), found, wall_seconds, op_seconds,
                                 lambda: build_trace(schedule, rows, place_observed, **labels))
             return placement.combine(result, weight)
+
+    def _warn_if_samples_meet_ignored_labels(self, inputs: Any, targets: Any) -> None:
+        """Weighing micro-batches by samples is not the full batch's mean over counted tokens: say so, once."""
+        if self.count_tokens is not None or self.warned_samples or self.asynchronous:
+            return
+        if ignored_labels(inputs, targets, self.options.loss_fn):
+            self.warned_samples = True
+            warnings.warn('loss_normalization="samples" weighs each micro-batch by its samples, but the labels hold '
+                          "-100 (tokens left out of a token-mean loss): the step is then not the full batch's mean "
+                          'loss; loss_normalization="tokens" (or "auto") weighs them by counted tokens, exactly',
+                          stacklevel=3)
 
     # -- forward only ----------------------------------------------------------------------
     def infer(self, inputs: Any) -> InferenceResult:

@@ -2,10 +2,20 @@
 
 Every rank builds `DistributedPipeline` with its own arguments; ranks given different ones
 (another m, another schedule, another model) would otherwise fail later, with a message about
-a tensor's size or a tag, or hang.  At start-up, before any other communication, the ranks
-all-gather a few short fields, once: the pipeline depth p, the micro-batches m, the schedule's
-name and a hash of its action table, the layout, a hash of the model's parameter names and
-shapes, and the loss normalization.  A difference raises, on every rank alike:
+a tensor's size or a tag, hang, or worse, run and give another loss.  The ranks all-gather a
+few short fields and compare them:
+
+- at start-up, before any other communication: the pipeline depth p, the micro-batches m, the
+  schedule's name and a hash of its action table, the layout, a hash of the model's parameter
+  names and shapes, and the loss normalization (`fields`);
+- once the model is cut: the cut (each stage's first and last module) and a hash of the
+  parameters' values (models built from different seeds would train apart for good: a tied
+  embedding's copies would never agree) (`cut_fields`);
+- at every step: the batch each rank was given, its shapes and a hash of its values (a batch
+  that differs only in padding would weigh the micro-batches otherwise on each rank)
+  (`batch_fields`).
+
+A difference raises, on every rank alike:
 
     ValueError: ranks 0 and 1 disagree on n_microbatches: 4 vs 8 (...)
 """
@@ -14,11 +24,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
+from ..model import microbatch
 from ..schedules.schedule import Schedule
 
 SIZE = 1024  # bytes per rank in the all-gather: the fields as JSON, zero-padded
@@ -56,6 +69,46 @@ def fields(schedule: Schedule, n_microbatches: int, layout, model: nn.Module, lo
     }
 
 
+def cut_fields(partition, model: nn.Module) -> dict:
+    """The cut (each stage's first and last module, or its blocks) and a hash of the parameters' values, taken
+    before a rank frees the other ranks' stages."""
+    if hasattr(partition.stages[0], "first_module"):  # a split by names
+        cut = "; ".join(f"{stage.first_module} .. {stage.last_module}" for stage in partition.stages)
+    else:
+        cut = "; ".join(f"blocks {a}..{b - 1}" for a, b in partition.bounds)
+    return {"the cut (each stage's first and last module)": f"hash {_digest(cut)}: {cut}",
+            "the parameters' values at start (a hash)": values_hash(model)}
+
+
+def values_hash(model: nn.Module) -> str:
+    """A hash of every parameter's and buffer's values (on the CPU), in the model's order."""
+    digest = hashlib.sha256()
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type == "meta":
+            continue
+        digest.update(name.encode())
+        digest.update(_bytes(tensor))
+    return digest.hexdigest()[:12]
+
+
+def _bytes(tensor: torch.Tensor) -> bytes:
+    return tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def batch_fields(inputs: Any, targets: Any) -> dict:
+    """The batch's structure and shapes, and a hash of its values."""
+    digest = hashlib.sha256()
+    for part in (inputs, targets):
+        for leaf in tree_flatten(part)[0]:
+            if isinstance(leaf, torch.Tensor):
+                digest.update(_bytes(leaf))
+            else:
+                digest.update(repr(leaf).encode())
+    shapes = repr((microbatch.signature(inputs), None if targets is None else microbatch.signature(targets)))
+    return {"the step's batch (its shapes and a hash of its values)": f"values hash {digest.hexdigest()[:12]}, shapes "
+            f"hash {_digest(shapes)} (give every rank the same whole batch: same data order, same padding)"}
+
+
 def _encode(found: dict) -> torch.Tensor:
     data = json.dumps({k: str(v)[:_LONGEST] for k, v in found.items()}).encode()
     if len(data) > SIZE:  # never with these fields; cut the values further rather than fail
@@ -84,6 +137,16 @@ def disagreement(per_rank: list[dict]) -> str | None:
             return (f"ranks 0 and {rank} disagree on {listed}. Every rank must build the pipeline with the same "
                     "arguments and the same model (same seed)")
     return None
+
+
+def agree_quickly(found: dict, group, device: torch.device) -> None:
+    """`agree`, with one 8-byte all-gather when the ranks agree (every step's check): the fields' hash; only a
+    difference sends the fields themselves, to name it."""
+    mine = torch.tensor([int(_digest(json.dumps(found, sort_keys=True)), 16)], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(gathered, mine, group=group)
+    if any(int(other) != int(mine) for other in gathered):
+        agree(found, group, device)
 
 
 def agree(found: dict, group, device: torch.device) -> None:

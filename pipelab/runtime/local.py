@@ -14,7 +14,6 @@ Details: docs/engines.md, "Replayed and measured".
 from __future__ import annotations
 
 import dataclasses
-import inspect
 from typing import Any
 
 import torch
@@ -23,7 +22,7 @@ from torch import nn
 from ..model.partition import Partition
 from ..schedules.schedule import Schedule
 from .driver import StepDriver
-from .options import PipelineOptions, signature_with_options
+from .options import LocalPlacementArgs, PipelineOptions, engine_signature
 from .placement import LocalPlacement
 from .step import GenerationResult, InferenceResult, StepResult
 
@@ -44,11 +43,10 @@ class Pipeline:
         **settings: the options, by name (`pl.PipelineOptions`): n_microbatches, schedule, loss_fn, ...
     """
 
-    def __init__(self, model: nn.Module, *, n_stages: int, devices: Any = "auto",
-                 options: PipelineOptions | None = None, **settings: Any):
-        self.options = PipelineOptions.build("Pipeline", options, settings)
-        self.model, self.requested_devices = model, devices
-        self.driver = StepDriver(model, self.options, LocalPlacement(self.options, n_stages, devices))
+    def __init__(self, model: nn.Module, *, options: PipelineOptions | None = None, **settings: Any):
+        self.options, where = PipelineOptions.build("Pipeline", LocalPlacementArgs, options, settings)
+        self.model, self.requested_devices = model, where.devices
+        self.driver = StepDriver(model, self.options, LocalPlacement(self.options, where.n_stages, where.devices))
         self.partition, self.schedule, self.workers = self.driver.partition, self.driver.schedule, self.driver.workers
         self.n_stages, self.n_microbatches = self.driver.n_stages, self.driver.n_microbatches
         self.devices, self.threads = self.driver.placement.devices, self.options.threads
@@ -110,4 +108,4 @@ class Pipeline:
         return self.driver.generate(prompts, new_tokens, lanes)
 
 
-Pipeline.__init__.__signature__ = signature_with_options(inspect.signature(Pipeline.__init__))
+Pipeline.__init__.__signature__ = engine_signature(LocalPlacementArgs)

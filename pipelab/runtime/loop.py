@@ -16,6 +16,7 @@ Details (split backward, weight stashing, the observer): docs/engines.md, "The l
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Callable, Iterable, Protocol
 
@@ -31,9 +32,22 @@ from ..model.kv_cache import cached_forward
 from ..schedules.action import Action, Kind
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
-from . import progress
+from .launcher import progress
 from .memory_observer import MemoryObserver
 from .weight_stash import WeightStash
+
+
+@dataclass(frozen=True)
+class StagePolicy:
+    """How one stage computes: its loss (the last stage's), whether it recomputes its forward (`checkpoint`),
+    splits its backward into I and W, keeps weight versions (`stash`, PipeDream), fuses weight-gradient
+    accumulation into its Linear multiplies."""
+
+    loss_fn: Callable
+    checkpoint: bool = False
+    splits_backward: bool = False
+    stash: WeightStash | None = None
+    fused_accumulation: bool = True
 
 
 class StageWorker:
@@ -45,13 +59,12 @@ class StageWorker:
     B must leave the weight gradients to W, and a stash moves its own gradients.
     """
 
-    def __init__(self, index: int, module: nn.Module, bounds: tuple[int, int], n_stages: int, loss_fn: Callable,
-                 checkpoint: bool, device: torch.device, rank: int | None = None, splits_backward: bool = False,
-                 stash: WeightStash | None = None, fused_accumulation: bool = True):
+    def __init__(self, index: int, module: nn.Module, bounds: tuple[int, int], n_stages: int, device: torch.device,
+                 policy: StagePolicy, rank: int | None = None):
         self.index, self.module, self.bounds, self.n_stages = index, module, bounds, n_stages
-        self.loss_fn, self.checkpoint, self.device, self.rank = loss_fn, checkpoint, device, rank
-        self.splits_backward, self.stash = splits_backward, stash
-        fuse = fused_accumulation and not splits_backward and stash is None
+        self.loss_fn, self.checkpoint, self.device, self.rank = policy.loss_fn, policy.checkpoint, device, rank
+        self.splits_backward, self.stash = policy.splits_backward, policy.stash
+        fuse = policy.fused_accumulation and not policy.splits_backward and policy.stash is None
         self.fusion = FusedAccumulation(module, list(module.parameters())) if fuse else None
         self.is_first, self.is_last = index == 0, index == n_stages - 1
         self.copy_input = stage_ops.starts_in_place(module)  # a ReLU(inplace=True) first: compute from a copy
@@ -308,7 +321,7 @@ def run_actions(schedule: Schedule, actions: Iterable[Action], workers: dict[int
                 clock, observer: MemoryObserver | None = None, reporting: bool = True) -> None:
     """Run `actions` (of `schedule`) in order: receive, compute (timed by `clock`; its host window noted by
     `observer`), send.  A stage's failure ends with its device's list, the failing action marked.
-    In a rank of `pl.distributed.launch`, each action is reported to the launcher (`runtime/progress.py`), a
+    In a rank of `pl.distributed.launch`, each action is reported to the launcher (`runtime/launcher/progress.py`), a
     step's (not a warm-up's, `reporting=False`)."""
     report = progress.reporter() if reporting else None
     for action in actions:

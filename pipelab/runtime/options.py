@@ -3,11 +3,11 @@
 Both engines take these options as keywords (`pl.Pipeline(model, n_stages=4, n_microbatches=8,
 schedule="1f1b", ...)`) or whole (`options=pl.PipelineOptions(...)`, keywords given beside it
 override its fields); what differs between them is only *where* the stages run, their
-placement parameters (`LOCAL_PLACEMENT`, `RANK_PLACEMENT`).  A new option is one field here: its
+placement parameters (`LocalPlacementArgs`, `RankPlacementArgs`).  A new option is one field here: its
 default, its check and its docstring line, and every engine has it.  What can be checked
 without the model is checked when the options are made; the rest (a loss function for a model
 split by names, checkpointing for p stages, a memory limit for d devices) where the pipeline
-is assembled (`runtime/assemble.py`).
+is assembled (`runtime/driver.py` and the placements).
 """
 
 from __future__ import annotations
@@ -15,20 +15,41 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import inspect
+import re
 from typing import Any, Callable
 
 from ..common.threads import check_threads
 from ..model.finite import check_mode
 from ..model.partition import Partition
 from ..model.token_weights import NORMALIZATIONS
+from ..predict.layout import Layout
 from ..schedules.schedule import Schedule
 from .step import check_loss_fn, check_microbatch_count
 
-LOCAL_PLACEMENT = ("n_stages", "devices")
-"""`pl.Pipeline`'s own parameters: p stages, and their devices ("auto", "cpu", "cuda", or one per stage)."""
-RANK_PLACEMENT = ("devices", "group", "tensor_parallel", "data_parallel", "tensor_parallel_plan", "layout", "device")
-"""`pl.DistributedPipeline`'s own parameters: this rank's device, its process group, and a hybrid layout on a
-("dp", "pp", "tp") DeviceMesh (`device` is `devices`' old name)."""
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LocalPlacementArgs:
+    """`pl.Pipeline`'s own parameters: p stages, and their devices ("auto", "cpu", "cuda", or one per stage)."""
+
+    n_stages: int
+    devices: Any = "auto"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RankPlacementArgs:
+    """`pl.DistributedPipeline`'s own parameters: this rank's device, its process group, and a hybrid layout on a
+    ("dp", "pp", "tp") DeviceMesh (`device` is `devices`' old name)."""
+
+    devices: Any = None
+    group: Any = None
+    tensor_parallel: int = 1
+    data_parallel: int = 1
+    tensor_parallel_plan: Callable | None = None
+    layout: Layout | None = None
+    device: Any = None
+
+
+LOCAL_PLACEMENT = tuple(f.name for f in dataclasses.fields(LocalPlacementArgs))
+RANK_PLACEMENT = tuple(f.name for f in dataclasses.fields(RankPlacementArgs))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,8 +63,10 @@ class PipelineOptions:
             (`pipelab.model.split_backward`), and a micro-batch is held until its W.
         loss_fn: loss(output, target) returning the *mean* over a micro-batch; None for a model split by names that
             computes its own loss (`output.loss`, with labels in the batch).
-        loss_normalization: "samples" (micro-batch i counts n_i / N) or "tokens" (c_i / C, its counted tokens: labels
-            other than -100; exact for a token-mean loss with padding; `model/token_weights.py`).
+        loss_normalization: "samples" (micro-batch i counts n_i / N), "tokens" (c_i / C, its counted tokens: labels
+            other than -100; exact for a token-mean loss with padding; `model/token_weights.py`) or "auto" (the
+            default: tokens for the model's own loss, loss_fn=None, or a loss with an ignore_index such as
+            cross-entropy; samples otherwise).  Samples meeting -100 labels warn, once.
         split_method: "uniform", "params", "time" (needs `sample`) or a ready `Partition`.
         split_points: any `nn.Module` instead of an `nn.Sequential`: the names of the modules where stages begin
             (`model/named_split.py`); `sample` is then a whole batch, as the model's keyword arguments.
@@ -78,7 +101,7 @@ class PipelineOptions:
     n_microbatches: int
     schedule: str | Schedule = "1f1b"
     loss_fn: Callable | None = None
-    loss_normalization: str = "samples"
+    loss_normalization: str = "auto"
     split_method: str | Partition = "uniform"
     split_points: list[str] | None = None
     sample: Any = None
@@ -112,34 +135,39 @@ class PipelineOptions:
         return self.split_points is not None
 
     @classmethod
-    def build(cls, engine: str, options: "PipelineOptions | None", settings: dict[str, Any]) -> "PipelineOptions":
-        """The options of a façade's call: `options` (or the defaults) with the keywords in `settings` over them;
-        a keyword that is no option is a TypeError naming the closest one."""
+    def build(cls, engine: str, placement: type, options: "PipelineOptions | None", settings: dict[str, Any]):
+        """A façade's call, read: its `placement` parameters (a `LocalPlacementArgs` or `RankPlacementArgs`), and
+        `options` (or the defaults) with the other keywords over them.  A keyword that is neither is a TypeError
+        naming the closest one."""
+        own = {f.name for f in dataclasses.fields(placement)}
         names = [f.name for f in dataclasses.fields(cls)]
-        unknown = [key for key in settings if key not in names]
+        unknown = [key for key in settings if key not in names and key not in own]
         if unknown:
-            close = difflib.get_close_matches(unknown[0], names, n=1)
+            close = difflib.get_close_matches(unknown[0], [*own, *names], n=1)
             hint = f" (did you mean {close[0]}?)" if close else ""
             raise TypeError(f"{engine} got an unknown option {unknown[0]!r}{hint}; its options are "
-                            f"{', '.join(names)}, and its placement parameters")
+                            f"{', '.join(names)}, and where it runs: {', '.join(sorted(own))}")
+        try:
+            where = placement(**{key: value for key, value in settings.items() if key in own})
+        except TypeError as error:  # a missing placement parameter (n_stages)
+            said = re.sub(r"^[\w.]*__init__[(][)] ", "", str(error))  # "missing 1 required ... 'n_stages'"
+            raise TypeError(f"{engine}: {said}") from None
+        chosen = {key: value for key, value in settings.items() if key not in own}
         if options is None:
-            return cls(**settings)
+            return cls(**chosen), where
         if not isinstance(options, cls):
             raise TypeError(f"options must be a pl.PipelineOptions, got {type(options).__name__}")
-        return dataclasses.replace(options, **settings) if settings else options
+        return (dataclasses.replace(options, **chosen) if chosen else options), where
 
 
-def signature_with_options(placement: inspect.Signature) -> inspect.Signature:
-    """A façade's signature: `placement`'s parameters (model, its own keywords), every option as a keyword with
-    its default, and `options` (what `help(pl.Pipeline)` and an editor show)."""
-    parameters = [p for p in placement.parameters.values() if p.kind is not p.VAR_KEYWORD and p.name != "options"]
-    taken = {p.name for p in parameters}
-    for field in dataclasses.fields(PipelineOptions):
-        if field.name in taken:
-            continue
+def engine_signature(placement: type) -> inspect.Signature:
+    """A façade's signature: `model`, its `placement` parameters, every option as a keyword with its default, and
+    `options` (what `help(pl.Pipeline)` and an editor show; the façade itself takes them as keywords)."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    parameters = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+                  inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation="nn.Module")]
+    for field in [*dataclasses.fields(placement), *dataclasses.fields(PipelineOptions)]:
         default = inspect.Parameter.empty if field.default is dataclasses.MISSING else field.default
-        parameters.append(inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=default,
-                                            annotation=field.type))
-    parameters.append(inspect.Parameter("options", inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation="PipelineOptions | None"))
-    return placement.replace(parameters=parameters)
+        parameters.append(inspect.Parameter(field.name, keyword, default=default, annotation=field.type))
+    parameters.append(inspect.Parameter("options", keyword, default=None, annotation="PipelineOptions | None"))
+    return inspect.Signature(parameters)

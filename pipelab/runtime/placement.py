@@ -37,7 +37,7 @@ from .loop import InProcessTransport, StageWorker, Transport
 from .memory_observer import MemoryObserver
 from .options import PipelineOptions
 from .step import build_partition, check_shared_devices, make_workers, resolve_schedule, unique_parameters
-from .trace_builder import PlaceObserved, action_row
+from .trace_builder import PlaceObserved, action_row, readings
 
 
 class Placement(Protocol):
@@ -95,8 +95,7 @@ class LocalPlacement:
         # one CUDA device per stage, one stage per schedule device: the events time the stages running at once
         self.wall_clock = (all(d.type == "cuda" for d in self.devices) and len(set(self.devices)) == self.n_stages
                            and sorted(where.values()) == list(range(self.n_stages)))
-        workers = make_workers(schedule, partition, self.stages, options.loss_fn, checkpoint, self.devices.__getitem__,
-                               optimizer=options.optimizer, fused_accumulation=options.fused_accumulation)
+        workers = make_workers(schedule, partition, self.stages, options, checkpoint, self.devices.__getitem__)
         return partition, workers
 
     def parameters(self) -> list[nn.Parameter]:
@@ -130,10 +129,8 @@ class LocalPlacement:
         intervals = clock.intervals()
         # on a CPU the observer's own host time inside an action is not the step's; on CUDA the events time the
         # GPU, which the host runs ahead of, so that time is not in their intervals
-        own = observer.own if all(d.type == "cpu" for d in self.devices) else {}
-        rows = {a: action_row(a, workers[a.stage], intervals[a], own=own.get(a, 0.0),
-                              allocated=clock.allocated.get(a, float("nan")),
-                              allocated_peak=clock.allocated_peak.get(a, float("nan")))
+        counted = observer if all(d.type == "cpu" for d in self.devices) else None
+        rows = {a: action_row(a, workers[a.stage], intervals[a], readings(a, clock, counted))
                 for a in self.order(schedule)}
         return rows, lambda start, end, origin: observer.place(start, end)
 

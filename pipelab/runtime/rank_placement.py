@@ -45,7 +45,7 @@ from .options import PipelineOptions
 from .p2p import PointToPointTransport
 from .shared_parameters import SharedParameters, keep_own_stages
 from .step import batch_size, build_partition, make_workers, resolve_schedule, unique_parameters
-from .trace_builder import PlaceObserved, action_row
+from .trace_builder import PlaceObserved, action_row, readings
 
 
 class RankPlacement:
@@ -95,13 +95,13 @@ class RankPlacement:
         self.partition = partition = self._partition(model, schedule)
         if self.layout.tp > 1:  # every stage's plans, on every rank: a width tp does not divide fails on all alike
             check_plans(partition, self.plan_fn, self.layout.tp)
+        fingerprint.agree(fingerprint.cut_fields(partition, model), self.agreeing, self.device)
         device_of_stage = schedule.device_of_stage()
         self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
         self.shared = SharedParameters(partition.stages, model, device_of_stage, self.group, self.rank)
         keep_own_stages(model, partition.stages, self.stages, self.device)  # the other ranks' tensors: freed
-        workers = make_workers(schedule, partition, self.stages, options.loss_fn, checkpoint, lambda s: self.device,
-                               rank=self.rank, optimizer=options.optimizer,
-                               fused_accumulation=options.fused_accumulation)
+        workers = make_workers(schedule, partition, self.stages, options, checkpoint, lambda s: self.device,
+                               rank=self.rank)
         if schedule.asynchronous and self.hybrid is not None:
             raise ValueError("an asynchronous schedule (PipeDream) updates each stage's weights inside its "
                              "backwards; it does not run with tensor or data parallelism")
@@ -172,7 +172,9 @@ class RankPlacement:
 
     # -- a step -----------------------------------------------------------------------------------
     def share(self, inputs: Any, targets: Any, count_tokens) -> tuple[Any, Any, float]:
-        """This replica's share of the batch under data parallelism, and its weight n_r / N (or C_r / C)."""
+        """This replica's share of the batch under data parallelism, and its weight n_r / N (or C_r / C); first,
+        the ranks check that they were given the same batch (`fingerprint.batch_fields`)."""
+        fingerprint.agree_quickly(fingerprint.batch_fields(inputs, targets), self.agreeing, self.device)
         d, m = self.layout.dp, self.options.n_microbatches
         if d == 1:
             return inputs, targets, 1.0
@@ -238,9 +240,8 @@ class RankPlacement:
         _, _, p2p, exchange = self._for(schedule)
         intervals, offset = clock.intervals(), self.clock_offset
         nan = float("nan")
-        mine = [action_row(a, workers[a.stage], intervals[a], offset, p2p.waits.get(a, (nan, nan)),
-                           p2p.sent_at.get(a, nan), observer.own.get(a, 0.0), clock.allocated.get(a, nan),
-                           clock.allocated_peak.get(a, nan))
+        mine = [action_row(a, workers[a.stage], (*intervals[a], *p2p.waits.get(a, (nan, nan)), p2p.sent_at.get(a, nan)),
+                           readings(a, clock, observer), offset)
                 for a in schedule.actions[self.rank]]
         records = exchange.gather(StepRecord(mine, self._place_observed(observer, clock)))
         rows = {a: records[d].rows[k] for d, row in enumerate(schedule.actions) for k, a in enumerate(row)}

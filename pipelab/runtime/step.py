@@ -31,7 +31,7 @@ from ..schedules import by_name, validate
 from ..schedules.action import Kind
 from ..schedules.schedule import Schedule
 from ..schedules.trace import Trace
-from .loop import StageWorker
+from .loop import StagePolicy, StageWorker
 from .weight_stash import WeightStash
 
 
@@ -138,16 +138,16 @@ def resolve_schedule(schedule: str | Schedule, n_microbatches: int, *, n_stages:
     return validate(schedule)
 
 
-def make_workers(schedule: Schedule, partition: Partition, stages: list[int], loss_fn: Callable,
-                 checkpoint: list[bool], device_of: Callable[[int], Any], rank: int | None = None,
-                 optimizer: Callable | None = None, fused_accumulation: bool = True) -> dict[int, StageWorker]:
+def make_workers(schedule: Schedule, partition: Partition, stages: list[int], options, checkpoint: list[bool],
+                 device_of: Callable[[int], Any], rank: int | None = None) -> dict[int, StageWorker]:
     """One `StageWorker` for each of `stages`, its backward policy read from the schedule: split where the
     stage runs I and W, a `WeightStash` on every stage with parameters of an asynchronous schedule
-    (`optimizer` builds each stage's own optimizer, and is needed exactly then).  The loss's output and
+    (`options.optimizer` builds each stage's own optimizer, and is needed exactly then).  The loss's output and
     target shapes are checked where it is taken (`model/loss_check.py`)."""
+    optimizer = options.optimizer
     if not schedule.asynchronous and optimizer is not None:
         raise ValueError("optimizer= is for asynchronous schedules (pipedream-async), whose stages update "
-                            "during the step; with this schedule, step your optimizer after pipe.step()")
+                         "during the step; with this schedule, step your optimizer after pipe.step()")
     if schedule.asynchronous and (optimizer is None or not callable(optimizer)):
         raise TypeError("an asynchronous schedule updates each stage's weights during the step: pass "
                         "optimizer=<callable(params) -> torch.optim.Optimizer>, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")
@@ -155,7 +155,7 @@ def make_workers(schedule: Schedule, partition: Partition, stages: list[int], lo
     if schedule.asynchronous and any(splits):
         raise ValueError("an asynchronous schedule with W actions: weight stashing runs whole backwards only")
 
-    loss_fn = _own_loss if loss_fn is None else loss_check.checked(loss_fn)
+    loss_fn = _own_loss if options.loss_fn is None else loss_check.checked(options.loss_fn)
 
     def stash(module: nn.Module) -> WeightStash | None:  # a stage without parameters has no versions to keep
         has_parameters = next(iter(module.parameters()), None) is not None
@@ -163,9 +163,11 @@ def make_workers(schedule: Schedule, partition: Partition, stages: list[int], lo
             return None
         return WeightStash(module, optimizer, schedule.update_every)
 
-    return {s: StageWorker(s, partition.stages[s], partition.bounds[s], schedule.n_stages, loss_fn, checkpoint[s],
-                           device_of(s), rank=rank, splits_backward=splits[s], stash=stash(partition.stages[s]),
-                           fused_accumulation=fused_accumulation)
+    def policy(s: int) -> StagePolicy:
+        return StagePolicy(loss_fn, checkpoint[s], splits[s], stash(partition.stages[s]), options.fused_accumulation)
+
+    return {s: StageWorker(s, partition.stages[s], partition.bounds[s], schedule.n_stages, device_of(s), policy(s),
+                           rank=rank)
             for s in stages}
 
 

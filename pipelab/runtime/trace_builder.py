@@ -41,17 +41,26 @@ PlaceObserved = Callable[[dict, dict, float], list[tuple]]
 as (trace time, device, delta, reason)."""
 
 
-def action_row(action: Action, worker, interval: tuple[float, float], offset: float = 0.0,
-               wait: tuple[float, float] = (NAN, NAN), sent: float = NAN, own: float = 0.0,
-               allocated: float = NAN, allocated_peak: float = NAN) -> list[float]:
-    """One action's row (`COLUMNS`), its times moved by `offset` (a rank's clock onto rank 0's)."""
+def action_row(action: Action, worker, times: tuple[float, ...], readings: tuple[float, float, float] = (0.0, NAN, NAN),
+               offset: float = 0.0) -> list[float]:
+    """One action's row (`COLUMNS`): `times` are its (start, end[, wait_start, wait_end, sent]) in host seconds,
+    moved by `offset` (a rank's clock onto rank 0's); `readings` the observer's own seconds inside it and the
+    CUDA allocator's readings after and during it."""
     kind, i = action.kind, action.microbatch
+    start, end, wait_start, wait_end, sent = (*times, NAN, NAN, NAN)[:5]
     loss = worker.losses.get(i) if kind in HOLDING_KINDS and worker.is_last else None
-    return [interval[0] + offset, interval[1] + offset, wait[0] + offset, wait[1] + offset, sent + offset,
+    return [start + offset, end + offset, wait_start + offset, wait_end + offset, sent + offset,
             worker.saved_bytes[i] if kind in HOLDING_KINDS else NAN,
             worker.recomputed_bytes.get(i, 0) if kind in GRADIENT_KINDS else NAN,
             worker.for_w_bytes[i] if kind in NARROWING_KINDS else NAN,
-            NAN if loss is None else float(loss), own, allocated, allocated_peak]
+            NAN if loss is None else float(loss), *readings]
+
+
+def readings(action: Action, clock, observer) -> tuple[float, float, float]:
+    """The observer's own seconds inside `action` (None: not counted), and the allocator's readings (NaN on a
+    CPU)."""
+    own = 0.0 if observer is None else observer.own.get(action, 0.0)
+    return own, clock.allocated.get(action, NAN), clock.allocated_peak.get(action, NAN)
 
 
 def losses(schedule: Schedule, rows: dict[Action, list[float]]) -> list[float]:

@@ -1,6 +1,6 @@
 """What a launched rank is doing, where its launcher can read it: a heartbeat, and the action it is on.
 
-`pl.distributed.launch` (`runtime/processes.py`) starts a `Reporter` on each rank; the loop
+`pl.distributed.launch` (`runtime/launcher/processes.py`) starts a `Reporter` on each rank; the loop
 (`runtime/loop.py`) tells it each action, before its receive and again before its compute.
 The rank's state lives in a small file the rank maps into its memory: a thread rewrites the
 heartbeat every `BEAT_SECONDS`, the loop the action, and the launcher reads the file while
@@ -97,7 +97,7 @@ def _texts(schedule) -> dict:
     another device sends its message (`WAITS_FOR`), else it computes from the start."""
     import torch.distributed as dist
 
-    from ..schedules.routes import Routes
+    from ...schedules.routes import Routes
 
     routes, device_of = Routes(schedule), schedule.device_of_stage()
     where = "rank" if dist.is_initialized() and dist.get_world_size() == schedule.n_devices else "pipeline device"

@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .predict.costs import Costs
-from .predict.planner import plan as make_plan
-from .predict.schedule_search import search_schedule
-from .predict.transformer_memory import RECOMPUTE, SC21_CLUSTER, SC21_TABLE_1, SCHEDULES, TransformerSpec
+from ..predict.costs import Costs
+from ..predict.planner import plan as make_plan
+from ..predict.schedule_search import search_schedule
+from ..predict.transformer_memory import RECOMPUTE, SC21_CLUSTER, SC21_TABLE_1, SCHEDULES, TransformerSpec
 
 DEFAULTS = {"layers": 24, "hidden": 2048, "heads": 16, "seq": 2048, "vocab": 51200, "devices": 8, "per_node": 8,
             "memory": 80 * 2**30, "inside": (5e-6, 300e9), "between": (10e-6, 25e9), "flops": 312e12, "batch": 512}

@@ -19,11 +19,11 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from . import run_models
-from .runtime.distributed import DistributedPipeline
-from .runtime.local import Pipeline
-from .runtime.resume import Resumable
-from .schedules import by_name
-from .schedules.trace import Trace
+from ..runtime.distributed import DistributedPipeline
+from ..runtime.local import Pipeline
+from .resume import Resumable
+from ..schedules import by_name
+from ..schedules.trace import Trace
 
 
 @dataclass
@@ -68,7 +68,7 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--json", type=Path, default=None, help="also write the run's figures to this JSON file")
     run.add_argument("--checkpoint", type=Path, default=None,
                      help="distributed: a folder every rank sees; resume from its newest checkpoint, save into it "
-                          "every --checkpoint-every steps and log each step's loss (runtime/resume.py)")
+                          "every --checkpoint-every steps and log each step's loss (commands/resume.py)")
     run.add_argument("--checkpoint-every", type=positive, default=1, help="steps between checkpoints")
     run.add_argument("--timeout-seconds", type=float, default=60,
                      help="distributed: a rank waiting longer than this for another ends the run")
@@ -186,7 +186,7 @@ def figures(summary: RunSummary) -> dict:
 
 def write_outputs(trace: Trace, png: Path, chrome: Path) -> None:
     """Save the timeline PNG and the Chrome trace, and say where they are."""
-    from .show import plot  # matplotlib loads only when a picture is written
+    from ..show import plot  # matplotlib loads only when a picture is written
 
     png.parent.mkdir(parents=True, exist_ok=True)
     plot.timeline(trace).savefig(png, dpi=120)

@@ -39,9 +39,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..common.errors import PipelineError
-from . import checkpoint_manifest
-from .checkpoint_manifest import DamagedCheckpoint
+from ...common.errors import PipelineError
+from . import manifest as checkpoint_manifest
+from .manifest import DamagedCheckpoint
 
 # hyper-parameters that name the parameters of a group: they belong to one layout, so they are not saved
 _GROUP_KEYS_NOT_SAVED = ("params", "param_names")

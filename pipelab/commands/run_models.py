@@ -22,7 +22,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .model import models
+from ..model import models
 
 OWN = ("mlp", "gpt")
 

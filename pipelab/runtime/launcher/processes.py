@@ -7,7 +7,7 @@ cloudpickle bytes), a deadline (a rank still running after `timeout_seconds` rec
 every thread was and exits), and the cause, once (the earliest failure is re-raised in the
 caller as `DistributedError` naming the rank, with that rank's traceback).
 
-Each rank reports its progress (`runtime/progress.py`: a heartbeat, the action it is on), so
+Each rank reports its progress (`runtime/launcher/progress.py`: a heartbeat, the action it is on), so
 that the launcher names the rank that stopped making progress, not the ranks that timed out
 waiting for it, and ends a stopped rank itself (SIGKILL: a stopped process ignores the
 agent's SIGTERM); a rank that returned early is named with the steps it ran; a rank that
@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import cloudpickle
 
-from ..common.errors import LostRankError
+from ...common.errors import LostRankError
 from . import progress
 
 
@@ -170,7 +170,7 @@ def _rank_main(payload: bytes, reports: str, launcher: int, begin: float, timeou
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # one GPU per rank
     if backend == "gloo":
-        from .p2p import use_two_connections
+        from ..p2p import use_two_connections
         use_two_connections()  # activations and gradients on separate connections (runtime/p2p.py)
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=wait_timeout_seconds))
@@ -341,7 +341,7 @@ def _details(states: dict[int, dict], records: list[dict]) -> str:
 
 
 class _Watch:
-    """The launcher's eye on the ranks' heartbeats (`runtime/progress.py`).  Once the run is failing (a rank
+    """The launcher's eye on the ranks' heartbeats (`runtime/launcher/progress.py`).  Once the run is failing (a rank
     reported a failure) or past its deadline, a rank still alive whose heartbeat is older than
     `_STALE_SECONDS` has stopped making progress: it is noted, with how long and where, and SIGKILLed (a
     stopped process would ignore the agent's SIGTERM, and the agent then waits `_SHUTDOWN_SECONDS`)."""

@@ -19,18 +19,18 @@ from pathlib import Path
 
 import torch
 
-from .common.errors import PipelineError
+from ..common.errors import PipelineError
 from .planning import add_plan_arguments, add_search_arguments, plan_command, search_command
-from .course.grade import main as grade_main
-from .predict.closed_forms import closed_form
-from .predict.costs import Costs
-from .predict.simulate import simulate as run_simulation
-from .runtime.processes import DistributedError, Interrupted, launch
-from .schedules import by_name
-from .schedules.action import Kind
+from ..course.grade import main as grade_main
+from ..predict.closed_forms import closed_form
+from ..predict.costs import Costs
+from ..predict.simulate import simulate as run_simulation
+from ..runtime.launcher.processes import DistributedError, Interrupted, launch
+from ..schedules import by_name
+from ..schedules.action import Kind
 from .training import add_run_arguments, finish, positive, train_local, train_rank, write_outputs
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -8,7 +8,7 @@
 
 Used by `pipelab.launch --checkpoint DIR` under torchrun's elasticity (`--nnodes MIN:MAX`): when a host
 leaves or joins, torchrun restarts every rank in a new world; each builds the pipeline at the depth the new
-world holds and reads the newest checkpoint (`runtime/checkpoint.py` reshards it to any depth, optimizer
+world holds and reads the newest checkpoint (`runtime/checkpoints/checkpoint.py` reshards it to any depth, optimizer
 state included), so training goes on from the step it saved, on the same batch, with the same Adam moments.
 
 Layout of `folder` (it must be one folder every rank sees: one machine, or a shared file system):
