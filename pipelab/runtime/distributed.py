@@ -304,7 +304,7 @@ class DistributedPipeline:
         model does; call it on every rank.  Returns the norm before clipping (`runtime/clipping.py`)."""
         parameters = self.parameters()
         with self._context():
-            parts = clipping.local_part(parameters, norm_type, self.tp_index)
+            parts = clipping.local_part(self.shared.counted_here(parameters), norm_type, self.tp_index)
             tp_group = self.hybrid.group("tp") if self.layout.tp > 1 else None
             norm = clipping.reduce_norm(parts, norm_type, [self.group, tp_group], self.device)
         clipping.scale(parameters, max_norm, norm)
