@@ -115,8 +115,8 @@ class TracedStage(nn.Module):
             g = self.graph_for(message)
             if g is None:
                 raise PipelineError(f"stage 0 has no graph traced for a micro-batch of shapes "
-                                    f"{shapes_of(message)}: the engine traces each new shape before the step "
-                                    "(`traced_shapes.py`); called by hand, trace it with that shape first")
+                                    f"{shapes_of(message)}: the engines trace each new shape before the step; "
+                                    "called by hand, trace it first: partition.traced_for.prepare([micro_batch])")
             values = self._values_of(message, g)
         else:
             values = dict(message)
