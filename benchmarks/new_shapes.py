@@ -4,8 +4,9 @@ A tiny GPT-2 and Llama (4 layers, hidden 32, vocabulary 64, as tests/your_model_
 stages, 1F1B, m = 3, right-padded batches.  Printed, in seconds (one intra-op thread, best or median of a few):
 
 - one trace of the whole model: fixed shapes vs dynamic dimensions (`Dim.AUTO`, what `traced_shapes.py` uses);
-- a step on a shape already run; the first step of a new length the dynamic graph accepts (no trace); the first
-  step of micro-batches of 1 row (a new trace) and the step after it;
+- a step on a shape already run (the sample's, its graph traced for its shapes); the first step of another shape
+  (a trace with dynamic dimensions); a step of a third shape (no trace); the first step of micro-batches of 1 row
+  (a new trace) and the step after it;
 - a step with the fixed-shape graph against the dynamic graph, same shape (what a dynamic graph costs to run);
 - an epoch of dynamic padding (40 batches of 8 rows of 2..64 tokens, the last of 3 rows): the traces it took,
   against the distinct micro-batch shapes a cache of fixed shapes would have traced.
@@ -78,23 +79,25 @@ def main() -> None:
     dynamic = min(seconds(lambda: trace(model, points, micro, dynamic=True), 3))
     print(f"one trace: fixed shapes {fixed:.2f} s, dynamic dimensions {dynamic:.2f} s")
 
-    pipe = pipeline(model, points, sample)
+    pipe = pipeline(model, points, sample)  # the sample's shape, traced as it is
     step = lambda b: (model.zero_grad(set_to_none=True), pipe.step(b))  # noqa: E731
     step(sample)
     repeated = statistics.median(seconds(lambda: step(sample), 5))
-    longer = seconds(lambda: step(batch([23, 5, 16, 9, 20, 12], seed=1)))[0]
-    one_row = seconds(lambda: step(batch([16, 5, 12], seed=2)))[0]
-    one_row_again = seconds(lambda: step(batch([16, 5, 12], seed=3)))[0]
-    print(f"a step: repeated shape {repeated:.3f} s; new length, no trace {longer:.3f} s; "
-          f"micro-batches of 1 row, traced {one_row:.3f} s, then {one_row_again:.3f} s")
+    first_new = seconds(lambda: step(batch([23, 5, 16, 9, 20, 12], seed=1)))[0]
+    second_new = seconds(lambda: step(batch([30, 5, 7, 9, 20, 3, 4, 4], seed=2)))[0]
+    one_row = seconds(lambda: step(batch([16, 5, 12], seed=3)))[0]
+    one_row_again = seconds(lambda: step(batch([16, 5, 31], seed=4)))[0]
+    print(f"a step: repeated shape {repeated:.3f} s; first new shape, traced (dynamic) {first_new:.3f} s; "
+          f"another new shape, no trace {second_new:.3f} s; micro-batches of 1 row, traced {one_row:.3f} s, "
+          f"then {one_row_again:.3f} s")
 
-    stages = split_by_names(model, points, micro, dynamic=False)
-    static = Partition([(s, s + 1) for s in range(3)], stages, "names", [1.0] * 3,
-                       traced_for=TracedShapes(model, points, stages, micro))
-    static_pipe = pipeline(model, points, sample, static)
-    static_pipe.step(sample)
-    on_static = statistics.median(seconds(lambda: static_pipe.step(sample), 5))
-    print(f"a step on the same shape: fixed-shape graph {on_static:.3f} s, dynamic graph {repeated:.3f} s")
+    stages = split_by_names(model, points, micro, dynamic=True)
+    dynamic_first = Partition([(s, s + 1) for s in range(3)], stages, "names", [1.0] * 3,
+                              traced_for=TracedShapes(model, points, stages, micro))
+    dynamic_pipe = pipeline(model, points, sample, dynamic_first)
+    dynamic_pipe.step(sample)
+    on_dynamic = statistics.median(seconds(lambda: dynamic_pipe.step(sample), 5))
+    print(f"a step on the same shape: fixed-shape graph {repeated:.3f} s, dynamic graph {on_dynamic:.3f} s")
 
     g = torch.Generator().manual_seed(5)
     epoch = [batch(torch.randint(2, 65, (8 if k < 39 else 3,), generator=g).tolist(), k) for k in range(40)]

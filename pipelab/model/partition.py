@@ -225,6 +225,6 @@ def _split_by_names(model: nn.Module, split_points: list[str], sample: Any, n_st
     if sample is None:
         raise ValueError("split_points traces the model's forward on one micro-batch: pass sample=<one micro-batch, "
                          "as the model's keyword arguments>")
-    stages = split_by_names(model, list(split_points), sample, dynamic=True)
+    stages = split_by_names(model, list(split_points), sample)  # the sample's shapes; others: `traced_shapes.py`
     return Partition([(s, s + 1) for s in range(len(stages))], stages, "names", [1.0] * len(stages),
                      traced_for=TracedShapes(model, split_points, stages, sample))

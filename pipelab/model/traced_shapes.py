@@ -3,22 +3,24 @@ a micro-batch fits none.
 
 A training run's batches change shape from step to step (the smaller last batch of an epoch, each batch padded
 to its own longest row, a batch of 5 rows cut into 2, 2 and 1), while `torch.export` traces one micro-batch.
-Each trace is made with dynamic dimensions (`Dim.AUTO` on every dimension of every input): export keeps a
+The sample is traced for its own shapes (what a pipeline that sees one shape needs, at the lowest cost); every
+later trace is made with dynamic dimensions (`Dim.AUTO` on every dimension of every input): export keeps a
 dimension symbolic where the forward works for any size, with the range it is valid for, and fixes the
 others.  Each stage keeps one `Piece` per trace, and stage 0 runs a micro-batch with the first graph that
 accepts its shapes (`accepts.py`); a micro-batch no graph accepts is traced anew, before the step, by
 `prepare`.  A model export cannot trace with dynamic dimensions is traced for the micro-batch's exact shapes:
 one graph per shape, the cache then keyed by the shapes alone.
 
-Why dynamic first, measured (`benchmarks/new_shapes.py`, the tests' 4-layer GPT-2 / Llama, hidden 32, 3
-stages, 1F1B, m = 3, one thread): a dynamic trace costs 0.9 / 1.4 s against 0.3 / 0.6 s for fixed shapes,
-but one covers every micro-batch of 2 rows or more and 2 tokens or more, so that an epoch of 40 dynamically
-padded batches (8 rows of 2..64 tokens, the last batch of 3 rows) traced twice (the sample; the first
-micro-batches of 1 row: export fixes sizes 0 and 1, where broadcasting differs), where a cache of fixed
-shapes would trace 37 times (~12 / ~21 s).  A step on a shape already traced takes 0.016 / 0.025 s whether
-its graph is dynamic or fixed; the first step of a new length the graph accepts costs nothing more; the first
-step that traces costs one trace (0.76 / 1.4 s).  The graphs run the same operations: losses and gradients
-equal the single device's for every shape (tests/test_any_shape.py).
+Why, measured (`benchmarks/new_shapes.py`, the tests' 4-layer GPT-2 / Llama, hidden 32, 3 stages, 1F1B,
+m = 3, one thread, on a shared 2-core machine): a dynamic trace costs 0.97 / 1.47 s against 0.34 / 0.62 s for
+fixed shapes, but one covers every micro-batch of 2 rows or more and 2 tokens or more: an epoch of 40
+dynamically padded batches (8 rows of 2..64 tokens, the last batch of 3 rows) traced 3 times (the sample;
+the first other shape; the first micro-batches of 1 row, since export fixes sizes 0 and 1, where
+broadcasting differs), where a cache of fixed shapes would trace 37 times (~13 / ~23 s).  A step on a shape
+already traced takes 0.016 / 0.023 s, on a fixed or a dynamic graph alike (0.016 / 0.025 s); the first step
+of a shape that traces takes 1.2 / 1.7 s (dynamic) or 0.84 / 1.2 s (1 row), and the steps after it cost
+nothing more.  The graphs run the same operations: losses and gradients equal the single device's for every
+shape (tests/test_any_shape.py).
 
 Every rank of a distributed pipeline is given the same whole batch, so every rank prepares the same traces in
 the same order: a graph's index is the same everywhere, and travels in each message (`traced_stage.GRAPH`), from
