@@ -61,7 +61,8 @@ def split_by_names(model: nn.Module, split_points: list[str], sample: dict, dyna
 
 
 def check_points(model: nn.Module, split_points: list[str]) -> None:
-    """Split points are modules of `model`, each named once, and none the model's first (stage 0 would be empty)."""
+    """Split points are modules of `model`, each named once (whether every stage runs something, the trace
+    tells: `_check_bounds`)."""
     names = [name for name, _ in model.named_modules()]
     unknown = [name for name in split_points if name not in names]
     if unknown:
@@ -71,12 +72,6 @@ def check_points(model: nn.Module, split_points: list[str]) -> None:
     if repeated:
         raise ValueError(f"split_points names {repeated} more than once (duplicate split points): each module "
                          f"starts one stage; give {list(dict.fromkeys(split_points))}")
-    first = next((name for name, module in model.named_modules() if name and not any(module.children())), None)
-    at_start = [name for name in split_points if first is not None and (first == name or first.startswith(name + "."))]
-    if at_start:
-        raise ValueError(f"split point {at_start[0]!r} is where the model begins (its first module, {first!r}, is "
-                         f"{'inside it' if first != at_start[0] else 'it'}): stage 0 would be empty; the first stage "
-                         "begins at the model's start by itself, so name only where the later stages begin")
 
 
 def trace(model: nn.Module, split_points: list[str], sample: dict, dynamic: bool) -> tuple[list[Piece], list, list]:
@@ -168,10 +163,13 @@ def _check_bounds(nodes: list[fx.Node], bounds: list[int], split_points: list[st
                          f"(it runs their first operations at {bounds})")
     calls = [k for k, node in enumerate(nodes) if node.op == "call_function"]
     for s, (begin, end) in enumerate(zip([0, *bounds], [*bounds, len(nodes)])):
+        if not any(begin <= k < end for k in calls) and s == 0:
+            raise ValueError(f"stage 0 would be empty: {split_points[0]!r} begins with the model's first operation, "
+                             "so nothing runs before it; the first stage begins at the model's start by itself: name "
+                             "only the modules where the later stages begin")
         if not any(begin <= k < end for k in calls):
-            before = f"the first operation of {split_points[s - 1]!r}" if s else "the forward's first operation"
-            raise ValueError(f"stage {s} would be empty: {split_points[s]!r} begins at {before}; cut at modules "
-                             f"that run one after the other, after the first")
+            raise ValueError(f"stage {s} would be empty: {split_points[s]!r} begins at the first operation of "
+                             f"{split_points[s - 1]!r}; cut at modules that run one after the other")
 
 
 def _pieces(pieces: fx.GraphModule, model: nn.Module, root: fx.GraphModule) -> list[Piece]:
