@@ -22,10 +22,10 @@ from torch import nn
 
 from ..common.checks import check_repeats
 from ..common.threads import intra_op_threads
-from . import microbatch
 from .named_split import repeated_blocks, split_by_names
 from .named_timing import block_times
 from .stage import buffers_kept, copy_of, starts_in_place
+from .traced_shapes import TracedShapes
 
 METHODS = ("uniform", "params", "time")
 
@@ -38,7 +38,7 @@ class Partition:
     stages: list[nn.Sequential]
     method: str
     block_costs: list[float]
-    traced_for: Any = None  # split by names: the micro-batch the stages were traced for (`microbatch.signature`)
+    traced_for: Any = None  # split by names: its traces, one per set of shapes (`traced_shapes.TracedShapes`)
 
     @property
     def stage_costs(self) -> list[float]:
@@ -225,6 +225,6 @@ def _split_by_names(model: nn.Module, split_points: list[str], sample: Any, n_st
     if sample is None:
         raise ValueError("split_points traces the model's forward on one micro-batch: pass sample=<one micro-batch, "
                          "as the model's keyword arguments>")
-    stages = split_by_names(model, list(split_points), sample)
+    stages = split_by_names(model, list(split_points), sample)  # the sample's shapes; others: `traced_shapes.py`
     return Partition([(s, s + 1) for s in range(len(stages))], stages, "names", [1.0] * len(stages),
-                     traced_for=(microbatch.signature(sample), model.training))
+                     traced_for=TracedShapes(model, split_points, stages, sample))

@@ -67,30 +67,45 @@ def resolved(loss_fn: Callable | None, normalization: str) -> str:
 
 def ignored_labels(inputs: Any, targets: Any, loss_fn: Callable | None) -> bool:
     """Whether the batch's labels (the targets, or `inputs["labels"]`) hold the ignored label (-100)."""
-    labels = targets if targets is not None else (inputs.get("labels") if isinstance(inputs, dict) else None)
-    if not isinstance(labels, torch.Tensor) or labels.is_floating_point():
+    labels = labels_of(inputs, targets)
+    if labels is None or labels.is_floating_point():
         return False
     return bool((labels == getattr(loss_fn, "ignore_index", IGNORE_INDEX)).any())
+
+
+def labels_of(inputs: Any, targets: Any) -> torch.Tensor | None:
+    """A batch's labels: its targets, or `inputs["labels"]`; None where it has none."""
+    if targets is not None:
+        return targets
+    labels = inputs.get("labels") if isinstance(inputs, dict) else None
+    return labels if isinstance(labels, torch.Tensor) else None
 
 
 def token_counter(model: nn.Module, loss_fn: Callable | None, normalization: str) -> Callable | None:
     """For loss_normalization="tokens" (or "auto" resolved to it): a function (inputs, targets) of one
     micro-batch -> its counted tokens, reading the targets (or, without them, `inputs["labels"]`); None for
-    "samples"."""
+    "samples".  Its `required` says whether a batch without labels is an error ("tokens") or weighed by samples
+    ("auto": a model that computes its own loss from no labels at all)."""
     if resolved(loss_fn, normalization) == "samples":
         return None
     ignore = getattr(loss_fn, "ignore_index", IGNORE_INDEX)
     shift = loss_fn is None and shifts_labels(model)
 
     def count(inputs: Any, targets: Any) -> int:
-        labels = targets
+        labels = labels_of(inputs, targets)
         if labels is None:
-            if not (isinstance(inputs, dict) and isinstance(inputs.get("labels"), torch.Tensor)):
-                raise ValueError('loss_normalization="tokens" counts the labels other than -100: pass targets, or '
-                                 "a batch dict with 'labels'")
-            labels = inputs["labels"]
+            raise ValueError('loss_normalization="tokens" counts the labels other than -100: pass targets, or '
+                             "a batch dict with 'labels'")
         if shift:
             labels = labels[..., 1:]
         return int((labels != ignore).sum())
 
+    count.required = normalization == "tokens"
     return count
+
+
+def counter_for(count_tokens: Callable | None, inputs: Any, targets: Any) -> Callable | None:
+    """`count_tokens` for this batch, or None (weigh by samples) where "auto" meets a batch without labels."""
+    if count_tokens is None or count_tokens.required or labels_of(inputs, targets) is not None:
+        return count_tokens
+    return None

@@ -5,7 +5,9 @@ default; max |g| for q = inf).  A pipeline holds the parameters on several stage
 each rank adds up its own part and the parts are summed over the pipeline's ranks; under tensor
 parallelism a sharded gradient's part is summed over the "tp" ranks too, while a replicated one
 (a LayerNorm's weight, held whole by every tp rank) counts on tp rank 0 only; data-parallel
-replicas hold the same gradients after their all-reduce, so they are counted once.  Then every
+replicas hold the same gradients after their all-reduce, so they are counted once, and so is a
+parameter several pipeline ranks hold (a tied embedding, whole on each after its all-reduce: counted on
+the lowest of them, `SharedParameters.counted_here`).  Then every
 gradient is scaled by min(1, max_norm / (norm + 1e-6)), torch's own rule.  Clipping stage by
 stage instead (each its own norm) silently changes training (torchtitan and Megatron-LM both
 reduce over the pipeline for this).

@@ -82,7 +82,7 @@ class DistributedPipeline:
         self.workers, self.stages, self.layout = self.driver.workers, placement.stages, placement.layout
         self.device, self.threads, self.backend = placement.device, placement.threads, placement.backend
         self.group, self.rank, self.world_size = placement.group, placement.rank, placement.world_size
-        self.hybrid, self.row_orders = placement.hybrid, placement.row_orders
+        self.hybrid, self.row_orders, self.shared = placement.hybrid, placement.row_orders, placement.shared
         self.mesh = None if self.hybrid is None else self.hybrid.mesh
         self.dp_index, self.pp_index, self.tp_index = ((0, self.rank, 0) if self.hybrid is None else
                                                        (self.hybrid.dp_index, self.hybrid.pp_index, self.hybrid.tp_index))

@@ -27,7 +27,7 @@ from ..model import stage as stage_ops
 from ..model.batch_norm import warn_if_batch_norm, warn_if_router_loss
 from ..model.finite import FiniteChecks
 from ..model.kv_cache import check_length
-from ..model.token_weights import ignored_labels, token_counter
+from ..model.token_weights import counter_for, ignored_labels, token_counter
 from ..predict.budget import check_limit
 from ..predict.memory import checkpoint_plan
 from ..schedules.inference import forward_only_like, generation
@@ -80,10 +80,11 @@ class StepDriver:
         warn_if_router_loss(self.model, self.n_microbatches)
         placement = self.placement
         with placement.context(), self.finite_checks.step(), loss_check.usage_errors():
-            inputs, targets, weight = placement.share(inputs, targets, self.count_tokens)
+            count_tokens = counter_for(self.count_tokens, inputs, targets)
+            inputs, targets, weight = placement.share(inputs, targets, count_tokens)
             chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous,
-                                                       self.count_tokens)
-            self._warn_if_samples_meet_ignored_labels(inputs, targets)
+                                                       count_tokens)
+            self._warn_if_samples_meet_ignored_labels(inputs, targets, count_tokens)
             check_traced(self.partition, self.model, chunks)
             if self.memory_limits is not None and self.activation_budgets is None:
                 self.activation_budgets = placement.activation_budgets(self, chunks[0], target_chunks[0])
@@ -99,9 +100,9 @@ class StepDriver:
                                 lambda: build_trace(schedule, rows, place_observed, **labels))
             return placement.combine(result, weight)
 
-    def _warn_if_samples_meet_ignored_labels(self, inputs: Any, targets: Any) -> None:
+    def _warn_if_samples_meet_ignored_labels(self, inputs: Any, targets: Any, count_tokens) -> None:
         """Weighing micro-batches by samples is not the full batch's mean over counted tokens: say so, once."""
-        if self.count_tokens is not None or self.warned_samples or self.asynchronous:
+        if count_tokens is not None or self.warned_samples or self.asynchronous:
             return
         if ignored_labels(inputs, targets, self.options.loss_fn):
             self.warned_samples = True

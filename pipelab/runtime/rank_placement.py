@@ -281,11 +281,12 @@ class RankPlacement:
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> float:
         """The global norm over the whole model (every stage and rank, tensor-parallel shards combined,
-        data-parallel replicas once), as `torch.nn.utils.clip_grad_norm_` on the single-device model
-        (`runtime/clipping.py`); call it on every rank."""
+        data-parallel replicas once, a parameter several ranks hold once: `SharedParameters.counted_here`), as
+        `torch.nn.utils.clip_grad_norm_` on the single-device model (`runtime/clipping.py`); call it on every rank."""
         parameters = self.parameters()
         with self.context():
-            parts = clipping.local_part(parameters, norm_type, 0 if self.hybrid is None else self.hybrid.tp_index)
+            parts = clipping.local_part(self.shared.counted_here(parameters), norm_type,
+                                        0 if self.hybrid is None else self.hybrid.tp_index)
             tp_group = self.hybrid.group("tp") if self.layout.tp > 1 else None
             norm = clipping.reduce_norm(parts, norm_type, [self.group, tp_group], self.device)
         clipping.scale(parameters, max_norm, norm)

@@ -10,6 +10,8 @@ group"): every copy gets the whole gradient
     dL/dw = sum over the ranks r that use w of (dL/dw through r's uses),
 
 the optimizers of those ranks take the same step from the same values, and the copies stay equal.
+A global gradient norm (clipping) counts such a parameter once, on the lowest rank that holds it
+(`counted_here`).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class SharedParameters:
     def __init__(self, stages: list[nn.Module], model: nn.Module, device_of_stage: dict[int, int], group,
                  rank: int):
         global_ranks = dist.get_process_group_ranks(group)
+        self.rank = rank
         params = dict(model.named_parameters())
         self.entries: list[tuple[str, nn.Parameter, object]] = []  # (name, parameter, group of its ranks)
         self.ranks: dict[str, list[int]] = {}  # name -> the pipeline ranks that hold it
@@ -40,6 +43,14 @@ class SharedParameters:
             subgroup = dist.new_group([global_ranks[r] for r in ranks])
             if rank in ranks:
                 self.entries.append((name, params[name], subgroup))
+
+    def counted_here(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+        """`parameters` (this rank's) less the shared ones a lower rank also holds: what this rank adds to a
+        global gradient norm.  After `all_reduce_gradients` every copy holds the whole gradient, so the norm
+        counts it once, on the lowest rank that holds it (Megatron-LM leaves the second copy of the shared
+        embedding out of the norm the same way)."""
+        elsewhere = {id(parameter) for name, parameter, _ in self.entries if self.ranks[name][0] != self.rank}
+        return [p for p in parameters if id(p) not in elsewhere]
 
     def all_reduce_gradients(self) -> None:
         """Sum each shared parameter's gradient over the ranks that hold it (a rank whose uses got no gradient

@@ -227,21 +227,18 @@ def check_shared_devices(partition: Partition, devices: list) -> None:
 
 
 def check_traced(partition: Partition, model: nn.Module, input_chunks: list) -> None:
-    """A split by names runs the graph traced for one micro-batch shape and one mode (train or eval): a step's
-    micro-batches must have that shape, and the model that mode."""
+    """A split by names runs graphs traced in one mode (train or eval), on micro-batches with the sample's keys
+    and dtypes: the model must be in that mode, and a step's micro-batches of shapes no graph accepts are traced
+    now, before any action (`model/traced_shapes.py`; every rank is given the same batch, so every rank traces
+    the same)."""
     if partition.traced_for is None:
         return
-    traced, training = partition.traced_for
-    for i, chunk in enumerate(input_chunks):
-        if microbatch.signature(chunk) != traced:
-            raise ValueError(f"micro-batch {i} is {microbatch.signature(chunk)}, but the stages were traced for "
-                             f"micro-batches {traced}: a split by names runs one shape; cut the batch into equal "
-                             "micro-batches of the sample's shape, or build the pipeline with a sample of this shape")
-    if model.training != training:
-        mode = "train" if training else "eval"
+    if model.training != partition.traced_for.training:
+        mode = "train" if partition.traced_for.training else "eval"
         raise ValueError(f"the stages were traced in {mode} mode (dropout and BatchNorm are fixed in the graph), "
                          f"but the model is now in {'train' if model.training else 'eval'} mode: build the "
                          "pipeline again after model.train() / model.eval()")
+    partition.traced_for.prepare(input_chunks)
 
 
 def batch_size(inputs: Any, targets: Any) -> int:
