@@ -41,6 +41,7 @@ def run_layouts(cases: list[tuple], count: bool = False) -> list[dict]:
             "parameter_bytes": pipe.parameter_bytes(),
             "counts": counter.totals() if count else None,
             "mesh": id(pipe.mesh),
+            "saved": {s: dict(pipe.workers[s].saved_bytes) for s in pipe.stages},  # counted, per micro-batch
         })
     return found
 

@@ -72,12 +72,42 @@ def check_counts(grid, per_rank):
                 assert counted["dp"]["bytes"] == per_rank[rank][c]["parameter_bytes"]
 
 
+def expected_saved_bytes(layout: Layout, stage: int, rows: int, width: int = 16, depth: int = 8) -> int:
+    """What autograd keeps for one micro-batch of `rows` on `stage` of pl.models.mlp under tensor parallelism t,
+    by Megatron's split (Korthikanti et al. 2022, §4.1): in each column/row-parallel pair of Linear + GELU
+    blocks the pair's input and its output (GELU's input) are whole on every rank, the two tensors inside
+    (the first Linear's output, GELU's output) are split by t: (2 + 2/t)·n·h; the model's last pair ends with
+    a plain Linear, whose output the loss keeps instead: (1 + 2/t)·n·h; the last stage's MSE keeps its output
+    and target, 2·n·h.  fp32: 4 bytes each.  Not weights: they are the model's state, not activations."""
+    t = layout.tp
+    a, b = pl.split(pl.models.mlp(depth=depth, width=width), layout.pp, "uniform").bounds[stage]
+    units = sum((1 if last == depth - 1 else 2) + 2 / t for last in range(a + 1, b, 2))
+    units += 2 if b == depth else 0
+    return round(units * rows * width * 4)
+
+
+def check_saved_bytes(grid, per_rank):
+    """Counted activation bytes of every micro-batch of every mlp stage equal `expected_saved_bytes`."""
+    for c, (kind, shape, _, m) in enumerate(grid):
+        if kind != "mlp":
+            continue
+        layout = Layout(*shape)
+        for rank in range(layout.world_size):
+            dp_index = layout.coordinates(rank)[0]
+            share = pl.microbatch.sizes(BATCH, layout.dp)[dp_index]
+            for stage, saved in per_rank[rank][c]["saved"].items():
+                rows = pl.microbatch.sizes(share, m)
+                assert saved == {i: expected_saved_bytes(layout, stage, n) for i, n in enumerate(rows)}, \
+                    f"{layout} rank {rank} stage {stage}: counted {saved}"
+
+
 def test_tensor_parallel_alone_and_a_plain_pipeline_on_two_ranks():
     grid = [(kind, shape, schedule, m) for kind in ("mlp", "gpt") for shape in ((1, 1, 2), (1, 2, 1))
             for schedule, m in (("gpipe", 4), ("1f1b", 1))]
     per_rank = pl.distributed.launch(cases.run_layouts, 2, grid, True, timeout_seconds=240)
     check_exact(grid, per_rank)
     check_counts(grid, per_rank)
+    check_saved_bytes(grid, per_rank)
     # by hand, mlp (8 Linears 16 -> 16) TP2, one stage, 19 samples in m = 4 micro-batches: pairs (0,1) (2,3)
     # (4,5) (6,7); forward one all-reduce of b·16 per pair, backward one per pair but the first (its input is
     # the data): 4 · 4 + 3 · 4 = 28 messages, (4 + 3) · 19 · 16 = 2128 elements, on each rank
@@ -92,6 +122,7 @@ def test_pp_tp_and_pp_dp_and_tp_dp_on_four_ranks():
     per_rank = pl.distributed.launch(cases.run_layouts, 4, grid, True, timeout_seconds=300)
     check_exact(grid, per_rank)
     check_counts(grid, per_rank)
+    check_saved_bytes(grid, per_rank)  # the activations TP splits, and only those (no weight shard among them)
     # one DeviceMesh per layout in a process, shared by its pipelines (each new mesh would add process groups
     # and their threads for good): the twelve pipelines exact above ran on three meshes
     for rank in per_rank:

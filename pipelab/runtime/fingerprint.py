@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..model import microbatch
 from ..schedules.schedule import Schedule
+from . import comm_count
 
 SIZE = 1024  # bytes per rank in the all-gather: the fields as JSON, zero-padded
 _LONGEST = 120  # characters kept of one field's value
@@ -144,7 +145,8 @@ def agree_quickly(found: dict, group, device: torch.device) -> None:
     difference sends the fields themselves, to name it."""
     mine = torch.tensor([int(_digest(json.dumps(found, sort_keys=True)), 16)], dtype=torch.int64, device=device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    with comm_count.label("other"):  # not the pipeline's messages
+        dist.all_gather(gathered, mine, group=group)
     if any(int(other) != int(mine) for other in gathered):
         agree(found, group, device)
 
@@ -153,7 +155,8 @@ def agree(found: dict, group, device: torch.device) -> None:
     """All-gather `found` (`fields`) over `group` and raise a ValueError on every rank if two ranks differ."""
     mine = _encode(found).to(device)
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(gathered, mine, group=group)
+    with comm_count.label("other"):
+        dist.all_gather(gathered, mine, group=group)
     message = disagreement([_decode(buffer) for buffer in gathered])
     if message is not None:
         raise ValueError(message)
