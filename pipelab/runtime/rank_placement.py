@@ -174,7 +174,8 @@ class RankPlacement:
     def share(self, inputs: Any, targets: Any, count_tokens) -> tuple[Any, Any, float]:
         """This replica's share of the batch under data parallelism, and its weight n_r / N (or C_r / C); first,
         the ranks check that they were given the same batch (`fingerprint.batch_fields`)."""
-        fingerprint.agree_quickly(fingerprint.batch_fields(inputs, targets), self.agreeing, self.device)
+        fingerprint.agree_quickly(fingerprint.batch_fields(inputs, targets), self.agreeing, self.device,
+                                  fingerprint.BATCH_ADVICE)
         d, m = self.layout.dp, self.options.n_microbatches
         if d == 1:
             return inputs, targets, 1.0
