@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import pipelab as pl
-from pipelab.runtime import checkpoint
+from pipelab.runtime.checkpoints import checkpoint
 
 BATCH = 19  # prime: uneven micro-batches
 STEPS = 3  # Adam steps before the checkpoint

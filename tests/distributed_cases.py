@@ -91,17 +91,23 @@ def bad_launch(kind_of_mistake: str) -> str:
     return "no error"
 
 
+def same_batch(*shapes: tuple) -> list[torch.Tensor]:
+    """Random tensors of `shapes`, the same on every rank (every rank is given the same whole batch)."""
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(shape, generator=generator) for shape in shapes]
+
+
 def wrong_feature_size() -> None:
     model = make_model("mlp")
     pipe = pl.DistributedPipeline(model, n_microbatches=2, schedule="1f1b", loss_fn=torch.nn.MSELoss())
-    pipe.step(torch.randn(8, 7), torch.randn(8, 16))
+    pipe.step(*same_batch((8, 7), (8, 16)))
 
 
 def one_rank_fails(failing_rank: int, how: str) -> None:
     """One good step, then `failing_rank` raises or kills itself ("raise" / "kill"); the others wait for it."""
     model = make_model("mlp")
     pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
-    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    x, y = same_batch((8, 16), (8, 16))
     pipe.step(x, y)
     if dist.get_rank() == failing_rank:
         if how == "kill":
@@ -115,7 +121,7 @@ def stops_itself(stopped_rank: int) -> None:
     last block begins the forward of micro-batch 2 (rank 1: at 1F2), and never resumes."""
     model = pl.models.mlp(depth=4, width=8, seed=0)
     pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    x, y = same_batch((8, 8), (8, 8))
     pipe.step(x, y)
     if dist.get_rank() == stopped_rank:
         calls = []
@@ -133,7 +139,7 @@ def returns_early(early_rank: int, steps: int) -> int:
     """`steps` 1F1B steps of a small MLP, but `early_rank` returns before its last one; each rank's count."""
     model = pl.models.mlp(depth=4, width=8, seed=0)
     pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
-    x, y = torch.randn(8, 8), torch.randn(8, 8)
+    x, y = same_batch((8, 8), (8, 8))
     for step in range(steps):
         if dist.get_rank() == early_rank and step == steps - 1:
             return step

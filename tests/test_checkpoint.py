@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
 import pipelab as pl
-from pipelab.runtime import checkpoint
+from pipelab.runtime.checkpoints import checkpoint
 import checkpoint_cases as cases
 from checkpoint_cases import STEPS
 

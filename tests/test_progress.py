@@ -8,7 +8,7 @@ stage 0's F, the last stage's B and every W wait for nothing from another device
 import pytest
 
 import pipelab as pl
-from pipelab.runtime import progress
+from pipelab.runtime.launcher import progress
 
 
 @pytest.fixture

@@ -38,6 +38,7 @@ from . import clipping, comm_count, fingerprint
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .exchange import StepExchange, StepRecord
+from .launcher import progress
 from .hybrid import HybridMesh, ScatterGatherTransport, all_reduce_gradients, check_plans, local_shard, parallelize
 from .loop import StageWorker, Transport
 from .memory_observer import MemoryObserver
@@ -174,6 +175,9 @@ class RankPlacement:
     def share(self, inputs: Any, targets: Any, count_tokens) -> tuple[Any, Any, float]:
         """This replica's share of the batch under data parallelism, and its weight n_r / N (or C_r / C); first,
         the ranks check that they were given the same batch (`fingerprint.batch_fields`)."""
+        report = progress.reporter()
+        if report is not None:  # a rank that never comes is named with where this one waited
+            report.set("waiting", f"the start of step {report.steps + 1}", "the other ranks, to compare the batch")
         fingerprint.agree_quickly(fingerprint.batch_fields(inputs, targets), self.agreeing, self.device,
                                   fingerprint.BATCH_ADVICE)
         d, m = self.layout.dp, self.options.n_microbatches
