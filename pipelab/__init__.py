@@ -29,8 +29,10 @@ from .predict.schedule_search import search_schedule
 from .predict.simulate import simulate
 from .runtime.checkpoints.checkpoint import CheckpointError
 from .runtime.distributed import DistributedPipeline
-from .runtime.local import Pipeline, StepResult
+from .runtime.local import Pipeline
+from .runtime.step import StepResult
 from .runtime.options import PipelineOptions
+from .runtime.training_run import TrainingRun, TrainOptions, train
 from .runtime.launcher.processes import DistributedError
 from .schedules.action import Action
 from .schedules.schedule import Schedule
@@ -62,7 +64,7 @@ def __dir__():
 __all__ = [
     "__version__", "Action", "CheckpointError", "Costs", "DeviceMemory", "DistributedError", "DistributedPipeline",
     "Event", "Layout", "MemoryBudgetError", "MemorySample", "Message", "Partition", "Pipeline", "PipelineError",
-    "PipelineOptions",
+    "PipelineOptions", "TrainOptions", "TrainingRun", "train",
     "Schedule", "ScheduleError", "StepResult", "Trace", "Wait", "about", "check_memory_budget", "describe",
     "device_memory", "max_gradient_difference", "microbatch", "models",
     "Plan", "PlanRow", "ProfiledModel", "TransformerSpec", "plan",

@@ -136,8 +136,12 @@ def test_bad_inputs_get_clear_errors():
     with pytest.raises(pl.ScheduleError, match="missing action 1W0"):
         pl.Pipeline(model, n_stages=2, n_microbatches=1, schedule=split_backward, loss_fn=nn.MSELoss())
     pipe = pl.Pipeline(model, n_stages=2, n_microbatches=8, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cpu")
-    with pytest.raises(ValueError, match="batch of 6 samples into 8"):
-        pipe.step(x, y)
+    with pytest.warns(UserWarning, match="a batch of 6 samples, fewer than the pipeline's 8 micro-batches"):
+        assert len(pipe.step(x, y).microbatch_losses) == 6  # an epoch's partial last batch: m = 6 for it
+    hand_made = pl.Pipeline(model, n_stages=2, n_microbatches=8, schedule=pl.schedules.gpipe(2, 8),
+                            loss_fn=nn.MSELoss(), devices="cpu")
+    with pytest.raises(ValueError, match="a batch of 6 samples cannot fill the schedule's 8 micro-batches"):
+        hand_made.step(x, y)
     pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, schedule="1f1b", loss_fn=nn.MSELoss(), devices="cpu")
     with pytest.raises(ValueError, match="targets hold 5"):
         pipe.step(x, y[:5])

@@ -20,14 +20,11 @@ Layout of `folder` (it must be one folder every rank sees: one machine, or a sha
 from __future__ import annotations
 
 import json
-import re
-import shutil
 from pathlib import Path
 
 import torch.distributed as dist
 
-NAME = re.compile(r"^step-(\d{6})$")
-KEEP = 2
+from ..runtime.checkpoints.folder import CheckpointFolder
 
 
 class Resumable:
@@ -35,23 +32,16 @@ class Resumable:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"checkpoint every must be a positive number of steps, got {every!r}")
         self.folder, self.every = Path(folder).absolute(), every
+        self.checkpoints = CheckpointFolder(self.folder)
 
     def newest(self) -> tuple[int, Path] | None:
-        """(steps done, folder) of the newest checkpoint, or None (one being written is named
-        step-NNNNNN.tmp-... until it is whole: `checkpoint.save`)."""
-        found = sorted((int(m.group(1)), p) for p in self.folder.glob("step-*") if (m := NAME.match(p.name)))
-        return found[-1] if found else None
+        """(steps done, folder) of the newest checkpoint, or None."""
+        return self.checkpoints.newest()
 
     def resume(self, pipe, optimizer) -> int:
-        """Load the newest checkpoint into `pipe` and `optimizer` on every rank; the number of steps it holds
-        (rank 0 picks it, so that every rank reads the same one)."""
-        found = [self.newest() if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(found, src=0)
-        if found[0] is None:
-            return 0
-        steps, path = found[0]
-        pipe.load_checkpoint(path, optimizer)
-        return steps
+        """Load the newest checkpoint that loads into `pipe` and `optimizer` on every rank (a damaged one set
+        aside: `CheckpointFolder.resume`); the number of steps it holds."""
+        return self.checkpoints.resume(pipe, optimizer)
 
     def after_step(self, pipe, optimizer, step: int, loss: float, n_steps: int) -> None:
         """Log step `step` (0-based) and save after every `every`-th step and after the last."""
@@ -63,11 +53,7 @@ class Resumable:
                                       "world": dist.get_world_size()}) + "\n")
         if done % self.every and done != n_steps:
             return
-        pipe.save_checkpoint(self.folder / f"step-{done:06d}", optimizer, overwrite=True)
-        if dist.get_rank() == 0:
-            saved = sorted(p for p in self.folder.glob("step-*") if NAME.match(p.name))
-            for old in saved[:-KEEP]:
-                shutil.rmtree(old, ignore_errors=True)
+        self.checkpoints.save(pipe, optimizer, done)
 
 
 def logged_losses(folder: str | Path) -> dict[int, dict]:

@@ -42,6 +42,7 @@ from .step import (
     GenerationResult,
     InferenceResult,
     StepResult,
+    batch_size,
     check_generation,
     check_loss_fn,
     check_traced,
@@ -73,6 +74,8 @@ class StepDriver:
         self.forward_schedule = forward_only_like(self.schedule)
         self.warmed_up = {"train": not options.warm_up, "forward": not options.warm_up}
         self.warned_samples = False  # "samples" meeting -100 labels: said once
+        self.smaller_schedules: dict[int, Schedule] = {}  # batch size < m -> the schedule for it
+        self.smaller_forward: dict[int, Schedule] = {}  # and its forward-only twin
 
     # -- training --------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any = None) -> StepResult:
@@ -82,16 +85,16 @@ class StepDriver:
         with placement.context(), self.finite_checks.step(), loss_check.usage_errors():
             count_tokens = counter_for(self.count_tokens, inputs, targets)
             inputs, targets, weight = placement.share(inputs, targets, count_tokens)
-            chunks, target_chunks, weights = cut_batch(inputs, targets, self.n_microbatches, self.asynchronous,
+            schedule = self._schedule_for(batch_size(inputs, targets))
+            chunks, target_chunks, weights = cut_batch(inputs, targets, schedule.n_microbatches, self.asynchronous,
                                                        count_tokens)
             self._warn_if_samples_meet_ignored_labels(inputs, targets, count_tokens)
             check_traced(self.partition, self.model, chunks)
             if self.memory_limits is not None and self.activation_budgets is None:
                 self.activation_budgets = placement.activation_budgets(self, chunks[0], target_chunks[0])
             if not self.warmed_up["train"]:
-                self._warm_up(self.schedule, chunks[0], target_chunks[0])
+                self._warm_up(schedule, chunks[0], target_chunks[0])
                 self.warmed_up["train"] = True
-            schedule = self.schedule
             rows, wall_seconds, place_observed = self._run(schedule, chunks, target_chunks, weights)
             found = losses(schedule, rows)
             labels = placement.trace_labels()
@@ -99,6 +102,25 @@ class StepDriver:
             result = StepResult(step_loss(weights, found, self.asynchronous), found, wall_seconds, op_seconds,
                                 lambda: build_trace(schedule, rows, place_observed, **labels))
             return placement.combine(result, weight)
+
+    def _schedule_for(self, n_samples: int) -> Schedule:
+        """The pipeline's schedule, or for a batch smaller than m (an epoch's partial last batch) the same named
+        schedule for one micro-batch per sample (made once per size)."""
+        if n_samples >= self.n_microbatches:
+            return self.schedule
+        if not isinstance(self.options.schedule, str) or self.asynchronous:
+            raise ValueError(f"a batch of {n_samples} samples cannot fill the schedule's {self.n_microbatches} "
+                             "micro-batches, and this pipeline runs a hand-made or asynchronous schedule that "
+                             "pipelab cannot rebuild for fewer: drop the epoch's partial last batch "
+                             "(DataLoader(..., drop_last=True)) or give batches of at least "
+                             f"{self.n_microbatches} samples")
+        if n_samples not in self.smaller_schedules:
+            self.smaller_schedules[n_samples] = self.placement.resolve_schedule(n_samples)
+            warnings.warn(f"a batch of {n_samples} samples, fewer than the pipeline's {self.n_microbatches} "
+                          f"micro-batches: it runs as {n_samples} micro-batches of one sample ("
+                          f"{self.options.schedule} rebuilt for m = {n_samples}; its loss and gradients are still "
+                          "the whole batch's); said once per size", stacklevel=3)
+        return self.smaller_schedules[n_samples]
 
     def _warn_if_samples_meet_ignored_labels(self, inputs: Any, targets: Any, count_tokens) -> None:
         """Weighing micro-batches by samples is not the full batch's mean over counted tokens: say so, once."""
@@ -112,7 +134,32 @@ class StepDriver:
                           stacklevel=3)
 
     # -- forward only ----------------------------------------------------------------------
+    def evaluate(self, inputs: Any, targets: Any = None) -> float:
+        """The batch's loss, forward only: each micro-batch's loss weighed as in a step."""
+        self.placement.check_plain("evaluate")
+        with self.placement.context(), torch.no_grad(), loss_check.usage_errors():
+            count_tokens = counter_for(self.count_tokens, inputs, targets)
+            inputs, targets, _ = self.placement.share(inputs, targets, count_tokens)
+            schedule = self._forward_for(batch_size(inputs, targets))
+            chunks, target_chunks, weights = cut_batch(inputs, targets, schedule.n_microbatches, False, count_tokens)
+            check_traced(self.partition, self.model, chunks)
+            if not self.warmed_up["forward"]:
+                self._warm_up(schedule, chunks[0], None)
+                self.warmed_up["forward"] = True
+            rows, _, _ = self._run(schedule, chunks, target_chunks, weights, evaluating=True)
+        return step_loss(weights, losses(schedule, rows), False)
+
+    def _forward_for(self, n_samples: int) -> Schedule:
+        """The forward-only twin of `_schedule_for(n_samples)` (made once per size)."""
+        training = self._schedule_for(n_samples)
+        if training is self.schedule:
+            return self.forward_schedule
+        if n_samples not in self.smaller_forward:
+            self.smaller_forward[n_samples] = forward_only_like(training)
+        return self.smaller_forward[n_samples]
+
     def infer(self, inputs: Any) -> InferenceResult:
+        self.placement.check_plain("infer")
         schedule = self.forward_schedule
         with self.placement.context(), torch.no_grad():
             chunks = microbatch.split(inputs, self.n_microbatches)
@@ -128,6 +175,7 @@ class StepDriver:
         return InferenceResult(output, trace, wall_seconds)
 
     def generate(self, prompts: torch.Tensor, new_tokens: int, lanes: int | None = None) -> GenerationResult:
+        self.placement.check_plain("generate")
         lanes = self.n_microbatches if lanes is None else lanes
         check_generation(prompts, new_tokens, lanes)
         check_length(self.partition.stages[0], prompts.shape[1], new_tokens)
@@ -149,14 +197,14 @@ class StepDriver:
 
     # -- the run itself ----------------------------------------------------------------------
     def _run(self, schedule: Schedule, chunks: list, target_chunks: list, weights: list[float],
-             shapes: list | None = None):
+             shapes: list | None = None, evaluating: bool = False):
         """Run this process's actions of `schedule` on `chunks`; every action's row, this process's seconds, and the
         observed memory's placing.  `shapes[i]`: what sets the shapes of micro-batch i's messages (default: its
         chunk's `microbatch.signature`)."""
         placement = self.placement
         observer = MemoryObserver(schedule.device_of_stage(), placement.parameters(), self.activation_budgets)
         for worker in self.workers.values():
-            worker.start_step(chunks, target_chunks, weights, observer)
+            worker.start_step(chunks, target_chunks, weights, observer, evaluating)
         shapes = [microbatch.signature(chunk) for chunk in chunks] if shapes is None else shapes
         transport = placement.transport(schedule, observer, shapes)
         clock = ActionClock(placement.devices)

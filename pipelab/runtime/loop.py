@@ -80,9 +80,10 @@ class StageWorker:
         self.saved = stage_ops.SavedTensors(parameters)  # the loop enters it around each action (`run_actions`)
 
     def start_step(self, input_chunks: list, target_chunks: list, weights: list[float],
-                   observer: MemoryObserver | None = None) -> None:
-        """Take this step's micro-batches (used by the first stage) and targets (by the last)."""
-        self.inputs, self.targets, self.weights = input_chunks, target_chunks, weights
+                   observer: MemoryObserver | None = None, evaluating: bool = False) -> None:
+        """Take this step's micro-batches (used by the first stage) and targets (by the last); `evaluating`: a
+        forward-only pass whose last stage takes the loss (`Engine.evaluate`)."""
+        self.inputs, self.targets, self.weights, self.evaluating = input_chunks, target_chunks, weights, evaluating
         self.keep = None if observer is None else partial(observer.keep, self.index)
         self.saved.observe = self.keep  # told of every storage autograd saves
         self.held: dict[int, stage_ops.Held | stage_ops.HeldForW] = {}  # mb -> what it holds until released
@@ -156,6 +157,8 @@ class StageWorker:
         self.saved_bytes[i] = 0
         if self.is_last:
             self.outputs[i] = output
+            if self.evaluating:  # the micro-batch's loss, unweighted (the driver weighs it)
+                self.losses[i] = self.loss_fn(output, to_device(self.targets[i], self.device)).detach()
             return None
         self._note(output, "output")
         return output

@@ -47,9 +47,10 @@ class Placement(Protocol):
     devices: list[torch.device]  # the devices its clock times
 
     def context(self) -> contextlib.AbstractContextManager: ...
-    def resolve_schedule(self) -> Schedule: ...
+    def resolve_schedule(self, n_microbatches: int | None = None) -> Schedule: ...
     def build(self, model: nn.Module, schedule: Schedule,
               checkpoint: list[bool]) -> tuple[Partition, dict[int, StageWorker]]: ...
+    def check_plain(self, what: str) -> None: ...
     def parameters(self) -> list[nn.Parameter]: ...
     def share(self, inputs: Any, targets: Any, count_tokens) -> tuple[Any, Any, float]: ...
     def combine(self, result, weight: float): ...
@@ -77,8 +78,10 @@ class LocalPlacement:
     def context(self) -> contextlib.AbstractContextManager:
         return intra_op_threads(self.threads)
 
-    def resolve_schedule(self) -> Schedule:
-        return resolve_schedule(self.options.schedule, self.options.n_microbatches, n_stages=self.n_stages)
+    def resolve_schedule(self, n_microbatches: int | None = None) -> Schedule:
+        """The options' schedule for this placement (for `n_microbatches`, default the options')."""
+        m = self.options.n_microbatches if n_microbatches is None else n_microbatches
+        return resolve_schedule(self.options.schedule, m, n_stages=self.n_stages)
 
     def build(self, model: nn.Module, schedule: Schedule,
               checkpoint: list[bool]) -> tuple[Partition, dict[int, StageWorker]]:
@@ -97,6 +100,9 @@ class LocalPlacement:
                            and sorted(where.values()) == list(range(self.n_stages)))
         workers = make_workers(schedule, partition, self.stages, options, checkpoint, self.devices.__getitem__)
         return partition, workers
+
+    def check_plain(self, what: str) -> None:
+        """Every local pipeline is plain: it infers and generates."""
 
     def parameters(self) -> list[nn.Parameter]:
         return unique_parameters(self.partition.stages)

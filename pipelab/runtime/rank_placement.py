@@ -76,8 +76,10 @@ class RankPlacement:
             return torch.cuda.device(self.device)
         return intra_op_threads(self.threads)
 
-    def resolve_schedule(self) -> Schedule:
-        return resolve_schedule(self.options.schedule, self.options.n_microbatches, n_devices=self.layout.pp)
+    def resolve_schedule(self, n_microbatches: int | None = None) -> Schedule:
+        """The options' schedule for this placement (for `n_microbatches`, default the options')."""
+        m = self.options.n_microbatches if n_microbatches is None else n_microbatches
+        return resolve_schedule(self.options.schedule, m, n_devices=self.layout.pp)
 
     def build(self, model: nn.Module, schedule: Schedule,
               checkpoint: list[bool]) -> tuple[Partition, dict[int, StageWorker]]:
@@ -167,6 +169,12 @@ class RankPlacement:
         elif self.backend == "nccl":
             raise ValueError("the NCCL backend moves CUDA tensors only; use gloo for device='cpu'")
         return device
+
+    def check_plain(self, what: str) -> None:
+        """Forward only and generation run a plain pipeline: no tensor or data parallelism."""
+        if self.hybrid is not None:
+            raise ValueError(f"{what} runs a plain pipeline (one stage per rank, or an interleaved schedule's several), "
+                             "without tensor or data parallelism; build a DistributedPipeline without them for it")
 
     def parameters(self) -> list[nn.Parameter]:
         return unique_parameters([self.partition.stages[s] for s in self.stages])

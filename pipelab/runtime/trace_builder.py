@@ -24,7 +24,7 @@ import math
 from typing import Callable
 
 from ..predict.memory import activation_samples
-from ..schedules.action import GRADIENT_KINDS, HOLDING_KINDS, NARROWING_KINDS, Action, Kind
+from ..schedules.action import GRADIENT_KINDS, HOLDING_KINDS, NARROWING_KINDS, PROFILES, Action, Kind, goes_forward
 from ..schedules.dependencies import run_dependencies
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
@@ -48,7 +48,7 @@ def action_row(action: Action, worker, times: tuple[float, ...], readings: tuple
     CUDA allocator's readings after and during it."""
     kind, i = action.kind, action.microbatch
     start, end, wait_start, wait_end, sent = (*times, NAN, NAN, NAN)[:5]
-    loss = worker.losses.get(i) if kind in HOLDING_KINDS and worker.is_last else None
+    loss = worker.losses.get(i) if goes_forward(kind) and worker.is_last else None
     return [start + offset, end + offset, wait_start + offset, wait_end + offset, sent + offset,
             worker.saved_bytes[i] if kind in HOLDING_KINDS else NAN,
             worker.recomputed_bytes.get(i, 0) if kind in GRADIENT_KINDS else NAN,
@@ -64,9 +64,10 @@ def readings(action: Action, clock, observer) -> tuple[float, float, float]:
 
 
 def losses(schedule: Schedule, rows: dict[Action, list[float]]) -> list[float]:
-    """The last stage's micro-batch losses, from its forwards' rows."""
+    """The last stage's micro-batch losses, from its forwards' rows (F, or E when evaluating)."""
     last = schedule.n_stages - 1
-    return [rows[Action(Kind.F, last, i)][LOSS] for i in range(schedule.n_microbatches)]
+    forward = PROFILES[schedule.profiles[last]][0]
+    return [rows[Action(forward, last, i)][LOSS] for i in range(schedule.n_microbatches)]
 
 
 def durations(rows: dict[Action, list[float]], replayed: bool) -> dict[Action, float]:

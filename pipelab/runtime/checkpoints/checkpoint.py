@@ -73,7 +73,7 @@ class CheckpointError(PipelineError):
 
 
 def save(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
-         overwrite: bool = False) -> None:
+         overwrite: bool = False, extra: dict[str, Any] | None = None) -> None:
     """Write this rank's share of the model (and of `optimizer`'s state) to the checkpoint directory `path`.
 
     Call it on every rank of the pipeline, with the same `path`; each rank writes its own
@@ -81,16 +81,21 @@ def save(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None 
     The checkpoint appears at `path` whole, once every rank's file is complete, or not at all.
     A checkpoint already at `path` is refused unless `overwrite=True`; then it stays, loadable,
     until the new one is complete.  Any failure raises the same `CheckpointError` on every rank.
+    `extra`: more state saved with it, the same on every rank (a training run's place in its data, a
+    scheduler's state, the random state: {name: a number, a string or a tensor}).  A pipeline in one process
+    (`pl.Pipeline`, its `group` None) writes the same checkpoint alone.
     """
     _check_pipeline(pipe, "save")
     target, group = Path(os.path.abspath(path)), pipe.group
-    lead, made, committed = dist.get_rank(group) == 0, [], False
+    lead, made, committed = _rank(group) == 0, [], False
     state: dict[str, Any] = {}
 
     def prepare():  # on every rank; rank 0 also claims a new directory beside the target
         state["model"] = _owned(pipe.model)
         if optimizer is not None:
             state["optim"] = _flat_optimizer_state(pipe.model, optimizer)
+        if extra is not None:
+            state["extra"] = dict(extra)
         if lead:
             made.append(_claim(target, overwrite))
         return made[0] if lead else None, _class_name(optimizer)
@@ -103,13 +108,15 @@ def save(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None 
             held = ", ".join(f"{name or 'none'} on rank {rank}" for rank, name in enumerate(classes))
             raise CheckpointError(f"the ranks hold different optimizers ({held}): each rank passes its own "
                                   f"optimizer of one kind, or none (while saving the checkpoint at {path})")
-        _dcp_call(lambda: _dcp().save(state, storage_writer=_dcp().FileSystemWriter(tmp), process_group=group),
-                  "saving", path, group)
+        with warnings.catch_warnings():  # no_dist=True warns that there is no process group: that is the point
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            _dcp_call(lambda: _dcp().save(state, storage_writer=_dcp().FileSystemWriter(tmp), process_group=group,
+                                          no_dist=group is None), "saving", path, group)
 
         def describe():  # each rank checksums its share of the files, rank 0 writes the manifest
             metadata = _dcp().FileSystemReader(tmp).read_metadata()
             files = checkpoint_manifest.files_of(metadata)
-            return checkpoint_manifest.describe(tmp, files[dist.get_rank(group)::dist.get_world_size(group)], metadata)
+            return checkpoint_manifest.describe(tmp, files[_rank(group)::_world(group)], metadata)
 
         records = {name: record for part in _together(group, describe, "saving", path) for name, record in part.items()}
         manifest = checkpoint_manifest.make(dict(sorted(records.items())), classes[0])
@@ -120,14 +127,16 @@ def save(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None 
             shutil.rmtree(made[0][0], ignore_errors=True)
 
 
-def load(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
+def load(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
+         extra: dict[str, Any] | None = None) -> None:
     """Read the checkpoint at `path` into this rank's blocks (and `optimizer`): each rank reads only its keys.
 
     Call it on every rank, with the same `path`.  The checkpoint may come from any number
     of stages, or from one process; the model must be the same (same names and shapes).
+    `extra`: {name: a value of the kind saved}, filled in place with what `save(..., extra=)` wrote.
     """
     _check_pipeline(pipe, "load")
-    _load(pipe.model, path, optimizer, pipe.group)
+    _load(pipe.model, path, optimizer, pipe.group, extra)
 
 
 def load_into_model(model: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -139,7 +148,15 @@ def load_into_model(model: nn.Module, path: str | os.PathLike, optimizer: torch.
     _load(model, path, optimizer, None)
 
 
-def _load(model: nn.Module, path, optimizer, group) -> None:
+def _rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _world(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _load(model: nn.Module, path, optimizer, group, extra: dict | None = None) -> None:
     # the checks before reading look at every key and file, not only this rank's: all ranks fail alike, before
     # communicating; an item's checksum, checked as DCP reads it, fails inside DCP, which tells every rank
     manifest = _read_manifest(path)
@@ -150,6 +167,12 @@ def _load(model: nn.Module, path, optimizer, group) -> None:
     if optimizer is not None:
         _check_optimizer_class(optimizer, manifest, path)
         state["optim"] = _empty_optimizer_state(model, optimizer, saved, path)
+    if extra is not None:
+        missing = [key for key in extra if f"extra.{key}" not in saved]
+        if missing:
+            raise CheckpointError(f"the checkpoint at {path} holds no {missing[0]!r} among its extra state (it was "
+                                  "saved without it: by another version, or not by a training run)")
+        state["extra"] = extra
     reader = (_dcp().FileSystemReader(path) if manifest is None else
               checkpoint_manifest.verifying_reader(path, manifest, metadata))
     with warnings.catch_warnings():  # no_dist=True still warns that there is no process group: that is the point
@@ -232,6 +255,10 @@ def _together(group, local: Callable[[], Any], doing: str, path) -> list:
         mine = (True, local())
     except Exception as error:  # (a BaseException such as KeyboardInterrupt ends this rank, and the run)
         mine = (False, error)
+    if group is None:  # one process
+        if mine[0]:
+            return [mine[1]]
+        raise _failure(mine[1], doing, path)
     results = [None] * dist.get_world_size(group)
     dist.all_gather_object(results, mine if mine[0] else (False, _portable(mine[1])), group=group)
     failed = [rank for rank, (ok, _) in enumerate(results) if not ok]
@@ -474,7 +501,7 @@ def _same(a: dict, b: dict) -> bool:
 # ---- checks --------------------------------------------------------------------------------------------------
 
 def _check_pipeline(pipe, verb: str) -> None:
-    if isinstance(pipe, nn.Module) or not hasattr(pipe, "group"):
+    if isinstance(pipe, nn.Module) or not hasattr(pipe, "group") or not hasattr(pipe, "model"):
         hint = ("for a whole model in one process use load_into_model(model, path)" if verb == "load" else
                 "a whole model in one process can be a 1-stage pipeline, under pl.distributed.launch(fn, 1)")
         raise TypeError(f"checkpoint.{verb} takes a DistributedPipeline, got {type(pipe).__name__}; {hint}")
