@@ -266,3 +266,16 @@ def run_structured(schedule: str, n_microbatches: int) -> dict:
         p.grad = None
     result = pipe.step(x, y)
     return {"loss": result.loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def step_onto_existing_gradients() -> float:
+    """On every rank: a model that already holds one plain step's gradients, then one pipelined step (its first:
+    warmed up before it); the largest difference of this rank's gradients from twice the plain step's."""
+    model = pl.models.mlp(depth=4, width=16, seed=3)
+    x, y = same_batch((12, 16), (12, 16))
+    _, grads = pl.single_device_gradients(model, x, y, torch.nn.MSELoss())
+    torch.nn.MSELoss()(model(x), y).backward()
+    pipe = pl.DistributedPipeline(model, n_microbatches=3, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    pipe.step(x, y)
+    return max((p.grad - 2 * grads[n]).abs().max().item() for n, p in model.named_parameters()
+               if p.device.type != "meta")

@@ -236,3 +236,9 @@ def test_structures_cross_ranks_with_gradients_for_their_float_tensors(n_ranks, 
     for name, grad in grads.items():
         torch.testing.assert_close(grad, reference[name], **TOLERANCE)
     assert all(rank["loss"] == pytest.approx(loss, rel=1e-6) for rank in per_rank)
+
+
+def test_the_warm_up_on_ranks_adds_nothing_to_existing_gradients():
+    """The distributed engine warms up too (the same one-micro-batch schedule through its transport): gradients
+    already in `.grad` come out as the plain sums."""
+    assert max(pl.distributed.launch(cases.step_onto_existing_gradients, 2, timeout_seconds=60)) < 1e-6

@@ -40,3 +40,22 @@ def test_restage_says_what_it_needs():
         pipe.restage(4, schedule="gpipe")
     pipe.restage(4, schedule="gpipe", devices="cpu")
     assert pipe.schedule.n_stages == 4
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_the_warm_up_and_a_restage_leave_accumulated_gradients_as_they_were(schedule):
+    """Gradients accumulate across steps as with loss.backward(): a pipeline built on a model that already holds
+    gradients (its first step warms up first: the warm-up's own gradients must not be added into them), then a
+    restage between two steps without zero_grad (a planted bug that re-creates .grad, or a warm-up that adds
+    micro-batch 0 into the tensors it restores, makes the sum wrong)."""
+    model = pl.models.mlp(depth=8, width=16, seed=3)
+    x, y = pl.models.sample_batch(model, 12)
+    _, grads = pl.single_device_gradients(model, x, y, torch.nn.MSELoss())
+    torch.nn.MSELoss()(model(x), y).backward()  # one plain step's gradients, already there
+    pipe = pl.Pipeline(model, n_stages=4, n_microbatches=3, schedule=schedule, loss_fn=torch.nn.MSELoss(),
+                       devices="cpu", warm_up=True)
+    pipe.step(x, y)
+    pipe.restage(2)  # warms up again on its first step
+    pipe.step(x, y)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 3 * grads[name], rtol=1e-5, atol=1e-6, msg=name)
