@@ -235,3 +235,16 @@ def test_pipelab_plan_prints_the_ranked_table(capsys):
     assert "on 8 devices, 8 per node; global batch 64" in out and "  1 " in out
     assert cli.main(["plan", "--hidden", "770", "--heads", "12"]) == 2  # heads must divide the hidden size
     assert "pipelab plan:" in capsys.readouterr().err
+
+
+def test_layouts_come_from_the_device_counts_divisors_for_any_count(capsys):
+    """Every (dp, pp, tp) with dp·pp·tp = n, as trying every number would list them (small n), and for a
+    trillion devices (2^12·5^12: 91² = 8281 layouts) at once: `pipelab plan` answers instead of hanging."""
+    from pipelab.commands import cli
+
+    for n in (1, 7, 12, 36, 97, 360):
+        brute = {(dp, n // (dp * tp), tp) for dp in range(1, n + 1) for tp in range(1, n + 1) if n % (dp * tp) == 0}
+        assert {(x.dp, x.pp, x.tp) for x in pl.Layout.all_for(n)} == brute
+    assert len(pl.Layout.all_for(10**12)) == 91 ** 2
+    assert cli.main(["plan", "--devices", str(10**12)]) == 1  # it answers: nothing fits (exit status 1)
+    assert "of the 8281 layouts of 1000000000000 devices" in capsys.readouterr().out

@@ -73,9 +73,27 @@ class Layout:
         """Every layout with dp · pp · tp = world_size."""
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
-        divisors = [k for k in range(1, world_size + 1) if world_size % k == 0]
+        divisors = _divisors(world_size)
         return [cls(dp, world_size // (dp * tp), tp) for dp in divisors for tp in divisors
                 if (world_size // dp) % tp == 0]
 
     def __str__(self) -> str:
         return f"dp={self.dp} pp={self.pp} tp={self.tp}"
+
+
+def _divisors(n: int) -> list[int]:
+    """The divisors of n, in order, from its prime factors (trial division up to √n: a trillion devices take a
+    million divisions, where trying every number up to n would never end)."""
+    factors: dict[int, int] = {}
+    rest, k = n, 2
+    while k * k <= rest:
+        while rest % k == 0:
+            factors[k] = factors.get(k, 0) + 1
+            rest //= k
+        k += 1 if k == 2 else 2
+    if rest > 1:
+        factors[rest] = factors.get(rest, 0) + 1
+    divisors = [1]
+    for prime, power in factors.items():
+        divisors = [d * prime ** e for d in divisors for e in range(power + 1)]
+    return sorted(divisors)
