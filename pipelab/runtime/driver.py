@@ -160,9 +160,9 @@ class StepDriver:
 
     def infer(self, inputs: Any) -> InferenceResult:
         self.placement.check_plain("infer")
-        schedule = self.forward_schedule
+        schedule = self._forward_for(microbatch.batch_size(inputs))
         with self.placement.context(), torch.no_grad():
-            chunks = microbatch.split(inputs, self.n_microbatches)
+            chunks = microbatch.split(inputs, schedule.n_microbatches)
             check_traced(self.partition, self.model, chunks)
             if not self.warmed_up["forward"]:
                 self._warm_up(schedule, chunks[0], None)
@@ -234,7 +234,8 @@ class StepDriver:
                 worker.start_step([inputs], [targets], [1.0])
             with stage_ops.buffers_kept(self.model.buffers()), torch.random.fork_rng(devices=devices):
                 transport = self.placement.transport(warm, None, [microbatch.signature(inputs)])
-                run_actions(warm, self.placement.order(warm), self.workers, transport, ActionClock([]), reporting=False)
+                run_actions(warm, self.placement.order(warm), self.workers, transport, ActionClock([]),
+                            reporting=False)
                 self.placement.finish(warm, transport, training=False)
         finally:
             for s, worker in self.workers.items():
