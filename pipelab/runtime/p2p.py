@@ -38,16 +38,18 @@ SLOTS = MAX_TENSORS + 2  # tags per message: the layout's length, the layout, on
 LOOKAHEAD = 2  # receives posted ahead of need, per sending rank
 
 
-def _tag(action: Action, n_microbatches: int, slot: int) -> int:
+def _tag(action: Action, n_microbatches: int, slot: int, n_stages: int | None = None) -> int:
     """A tag unique to one message of one step: the producing action, and the slot: 0 for the layout's length,
     1 for the layout, 2 + k for the message's k-th tensor (`SLOTS`).
 
     Even for what goes forward (an F's activation), odd for what comes back (a B's or I's
-    gradient; `KindSpec.sends`): gloo picks the connection by tag modulo its number of
-    devices, so with an even number of devices the two directions never share one (module
-    docstring).  A stage runs B or I for a micro-batch, never both, so the tag stays unique.
+    gradient; `KindSpec.sends`; and the token a generation's last stage sends round to stage 0,
+    `KindSpec.wraps`): gloo picks the connection by tag modulo its number of devices, so with an
+    even number of devices the two directions never share one (module docstring).  A stage runs
+    B or I for a micro-batch, never both, so the tag stays unique.
     """
-    direction = 0 if action.spec.sends > 0 else 1
+    back = action.spec.sends < 0 or (action.spec.wraps and n_stages is not None and action.stage == n_stages - 1)
+    direction = 1 if back else 0
     return 2 * ((action.stage * n_microbatches + action.microbatch) * SLOTS + slot) + direction
 
 
@@ -160,7 +162,7 @@ class PointToPointTransport:
             if layout is None:
                 return
             receives = [(buffer, dist.irecv(buffer, group=self.group, group_src=sender,
-                                            tag=_tag(message.source, self.n_microbatches, 2 + k)))
+                                            tag=_tag(message.source, self.n_microbatches, 2 + k, self.n_stages)))
                         for k, buffer in enumerate(layout.empty(self.device))]
             message.payload = (layout, receives)
             self.next_to_post[sender] += 1
@@ -182,13 +184,14 @@ class PointToPointTransport:
         if message.header is None:
             length = torch.zeros(1, dtype=torch.int64, device=self.device)
             message.header = (length, dist.irecv(length, group=self.group, group_src=peer,
-                                                 tag=_tag(source, self.n_microbatches, 0)))
+                                                 tag=_tag(source, self.n_microbatches, 0, self.n_stages)))
         length, work = message.header
         if not block and not work.is_completed():
             return None
         self._wait(work, peer, f"waiting for the layout of {source}")
         data = torch.empty(int(length.item()), dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(data, group=self.group, group_src=peer, tag=_tag(source, self.n_microbatches, 1)),
+        tag = _tag(source, self.n_microbatches, 1, self.n_stages)
+        self._wait(dist.irecv(data, group=self.group, group_src=peer, tag=tag),
                    peer, f"waiting for the layout of {source}")
         self.known_layouts[key] = MessageLayout.decode(data.cpu())
         message.header = None
@@ -220,7 +223,7 @@ class PointToPointTransport:
         for k, tensor in enumerate(tensors):
             tensor = tensor.contiguous()
             work = dist.isend(tensor, group=self.group, group_dst=destination,
-                              tag=_tag(action, self.n_microbatches, 2 + k))
+                              tag=_tag(action, self.n_microbatches, 2 + k, self.n_stages))
             self.sends.append((work, tensor, destination))
 
     def _announce(self, action: Action, layout: MessageLayout, destination: int) -> None:
@@ -238,7 +241,8 @@ class PointToPointTransport:
         length = torch.tensor([data.numel()], dtype=torch.int64, device=self.device)
         for slot, tensor in ((0, length), (1, data)):
             self.sends.append((dist.isend(tensor, group=self.group, group_dst=destination,
-                                          tag=_tag(action, self.n_microbatches, slot)), tensor, destination))
+                                          tag=_tag(action, self.n_microbatches, slot, self.n_stages)), tensor,
+                                          destination))
         self.layouts_sent[key] = layout
 
     def finish(self) -> None:
