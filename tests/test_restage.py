@@ -60,7 +60,8 @@ def test_a_model_split_by_names_restages_at_new_points_or_by_its_method_exactly(
                        devices="cpu")
     # SGD with momentum: its state goes on across restages, and the parameters move linearly in the gradients
     # (Adam's first steps scale each by its own size, turning rounding in a near-zero gradient into 1e-5)
-    sgd, plain = (torch.optim.SGD(params, lr=0.1, momentum=0.9) for params in (pipe.parameters(), reference.parameters()))
+    sgd, plain = (torch.optim.SGD(params, lr=0.1, momentum=0.9)
+                  for params in (pipe.parameters(), reference.parameters()))
     depths = [(2, None, ["transformer.h.2"]), (3, None, ["transformer.h.2", "transformer.h.3"]),
               (2, ["transformer.h.1"], ["transformer.h.1"]), (2, None, ["transformer.h.1"])]
     for step, (depth, points, firsts) in enumerate(depths):

@@ -113,7 +113,8 @@ def hugging_face_config(transformers, model_type: str, config: dict):
     for key in config:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=3)
-            hint = f"did you mean {' or '.join(close)}?" if close else f"its keys include {', '.join(sorted(known)[:12])}"
+            hint = (f"did you mean {' or '.join(close)}?" if close
+                    else f"its keys include {', '.join(sorted(known)[:12])}")
             raise ValueError(f"--config {key}: {cls.__name__} has no key {key!r} ({hint})")
     try:
         return transformers.AutoConfig.for_model(model_type, **config)
