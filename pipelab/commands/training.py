@@ -49,7 +49,7 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--stages", type=stages_or_auto, default=4,
                      help="pipeline stages p; distributed: auto = the world size (what torchrun's elasticity gives)")
     run.add_argument("--microbatches", type=positive, default=8, help="micro-batches per step m")
-    run.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b, zb-h1 or interleaved")
+    run.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or zb-h1")
     run.add_argument("--steps", type=positive, default=None,
                      help=f"one batch: steps to train on it (default {ONE_BATCH_STEPS}); a loader: stop after this "
                           "many steps (default: every epoch)")
