@@ -97,19 +97,27 @@ def test_run_trains_the_model_a_factory_returns_with_the_single_devices_gradient
 @pytest.mark.parametrize("backend", ["local", pytest.param("distributed", marks=pytest.mark.slow)])
 def test_run_trains_over_the_loader_a_factory_returns(tmp_path, backend):
     """Two epochs of a shuffled loader padded per batch (rows and length change every step, the last batch
-    partial), clipped: every step's loss the CLI reports is the single device's."""
+    partial), clipped: every step's loss the CLI reports is the single device's, and so is the held-out loss at
+    the end (two padded batches: their loss as one)."""
     pytest.importorskip("transformers")
     import training_run_cases as cases
     from your_model_cases import make_model
 
     assert main(["run", "--model", "training_run_cases:cli_loader_factory", "--stages", "2", "--microbatches", "3",
-                 "--epochs", "2", "--clip", "0.5", "--lr", "1e-2", "--backend", backend, "--device", "cpu",
+                 "--epochs", "2", "--clip", "0.5", "--lr", "1e-2", "--eval-every", "4", "--backend", backend,
+                 "--device", "cpu",
                  "--out", str(tmp_path), "--json", str(tmp_path / "run.json")]) == 0
     found = json.loads((tmp_path / "run.json").read_text())
-    losses, _ = cases.single_device_run(make_model("gpt2"), epochs=2, clip=0.5, optimizer_class=torch.optim.Adam)
+    model = make_model("gpt2")
+    losses, parameters = cases.single_device_run(model, epochs=2, clip=0.5, optimizer_class=torch.optim.Adam)
     assert found["stages"][1].startswith("transformer.h.2 ")  # 4 blocks cut evenly
     assert len(found["losses"]) == len(found["step_seconds"]) == 8  # two epochs of 6, 6, 6, 3 rows
     assert found["losses"] == pytest.approx(losses, rel=1e-5)
+    model.load_state_dict(parameters, strict=False)
+    with torch.no_grad():
+        held_out = model(**cases.pad(cases.sequences(seed=1)[:6])).loss  # cases.held_out()'s rows
+    assert list(found["eval_losses"]) == ["4", "8"]
+    assert found["eval_losses"]["8"] == pytest.approx(held_out.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("argv, message", [

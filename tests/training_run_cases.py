@@ -59,10 +59,16 @@ def pipelined_run(pipe, model, epochs: int, clip: float, lr: float = 1e-2) -> tu
     return run.losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
 
 
+def held_out() -> list[dict]:
+    """Six other sequences in two padded batches of 4 and 2 rows."""
+    rows = sequences(seed=1)[:6]
+    return [pad(rows[:4]), pad(rows[4:])]
+
+
 def cli_loader_factory():
-    """For `pipelab run --model training_run_cases:cli_loader_factory`: the tied GPT-2 and the shuffled, padded
-    loader (its own loss: no loss_fn)."""
-    return make_model("gpt2"), loader(), None
+    """For `pipelab run --model training_run_cases:cli_loader_factory`: the tied GPT-2, the shuffled, padded
+    loader (its own loss: no loss_fn) and the held-out batches."""
+    return make_model("gpt2"), loader(), None, held_out()
 
 
 def train_on_ranks(kind: str, schedule: str) -> dict:

@@ -216,7 +216,10 @@ def _stage_names(partition) -> list[str]:
 
 
 def _schedule(args):
-    """The named schedule for --stages devices, so that a world size that differs is named as such."""
-    stages = dist.get_world_size() if args.stages == "auto" else args.stages
-    return by_name(args.schedule, stages, args.microbatches)
+    """The schedule's name where --stages is the world size (the engine then rebuilds it for a batch smaller than
+    m, an epoch's partial last batch); else the named schedule for --stages devices, so that a world size that
+    differs is named as such."""
+    if args.stages == "auto" or args.stages == dist.get_world_size():
+        return args.schedule
+    return by_name(args.schedule, args.stages, args.microbatches)
 
