@@ -182,11 +182,13 @@ def _over_loader(pipe, made, optimizer, args, show_progress: bool) -> tuple:
     seconds = []
     step = pipe.step
 
-    def timed_step(inputs, targets=None):  # each step's wall clock, as one batch's run reports it
+    def timed_step(inputs, targets=None):
         result = step(inputs, targets)
         seconds.append(result.wall_seconds)
         return result
 
+    # each step's wall clock, as one batch's run reports it: `TrainingRun` keeps the losses but not the results,
+    # so this pipeline's own `step` notes them for the duration of the run
     pipe.step = timed_step
     try:
         run = train(pipe, made.batches, optimizer, epochs=args.epochs or 1, clip=args.clip, held_out=made.held_out,
