@@ -75,15 +75,49 @@ def test_run_trains_a_hugging_face_model_from_its_config_split_by_names(tmp_path
     assert found["losses"][0] == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
 
 
-def test_run_trains_the_model_a_factory_returns(tmp_path):
+def test_run_trains_the_model_a_factory_returns_with_the_single_devices_gradients(tmp_path):
+    """One SGD step (lr 1) of a factory's padded batch: the parameters it saves are the single device's minus its
+    gradients, so weighing micro-batches by samples (not by the tokens the model's own loss counts) would fail."""
     pytest.importorskip("transformers")
     from your_model_cases import cli_factory
 
-    found = _first_loss(tmp_path, ["--model", "your_model_cases:cli_factory", "--stages", "2",
-                                   "--microbatches", "3"])
+    found = _first_loss(tmp_path, ["--model", "your_model_cases:cli_factory", "--stages", "2", "--microbatches", "3",
+                                   "--optimizer", "sgd", "--lr", "1", "--checkpoint", str(tmp_path / "saved")])
     model, batch, _ = cli_factory()
     assert found["split"] == "names" and found["stages"][1].startswith("model.layers.2 ")
-    assert found["losses"][0] == pytest.approx(model(**batch).loss.item(), rel=1e-5)  # tokens, padding and all
+    loss = model(**batch).loss
+    loss.backward()
+    assert found["losses"][0] == pytest.approx(loss.item(), rel=1e-5)
+    expected = {name: (p - p.grad).detach() for name, p in model.named_parameters()}
+    pl.distributed.load_checkpoint(model, tmp_path / "saved" / "step-000001")
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.detach(), expected[name], rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}")
+
+
+@pytest.mark.parametrize("backend", ["local", pytest.param("distributed", marks=pytest.mark.slow)])
+def test_run_trains_over_the_loader_a_factory_returns(tmp_path, backend):
+    """Two epochs of a shuffled loader padded per batch (rows and length change every step, the last batch
+    partial), clipped: every step's loss the CLI reports is the single device's, and so is the held-out loss at
+    the end (two padded batches: their loss as one)."""
+    pytest.importorskip("transformers")
+    import training_run_cases as cases
+    from your_model_cases import make_model
+
+    assert main(["run", "--model", "training_run_cases:cli_loader_factory", "--stages", "2", "--microbatches", "3",
+                 "--epochs", "2", "--clip", "0.5", "--lr", "1e-2", "--eval-every", "4", "--backend", backend,
+                 "--device", "cpu",
+                 "--out", str(tmp_path), "--json", str(tmp_path / "run.json")]) == 0
+    found = json.loads((tmp_path / "run.json").read_text())
+    model = make_model("gpt2")
+    losses, parameters = cases.single_device_run(model, epochs=2, clip=0.5, optimizer_class=torch.optim.Adam)
+    assert found["stages"][1].startswith("transformer.h.2 ")  # 4 blocks cut evenly
+    assert len(found["losses"]) == len(found["step_seconds"]) == 8  # two epochs of 6, 6, 6, 3 rows
+    assert found["losses"] == pytest.approx(losses, rel=1e-5)
+    model.load_state_dict(parameters, strict=False)
+    with torch.no_grad():
+        held_out = model(**cases.pad(cases.sequences(seed=1)[:6])).loss  # cases.held_out()'s rows
+    assert list(found["eval_losses"]) == ["4", "8"]
+    assert found["eval_losses"]["8"] == pytest.approx(held_out.item(), rel=1e-5)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -92,6 +126,11 @@ def test_run_trains_the_model_a_factory_returns(tmp_path):
     (["--model", "mlp", "--config", "n_layer=2"], "--config is for a Hugging Face model"),
     (["--model", "mlp", "--split-points", "0"], "--split-points is for a model split by module names"),
     (["--model", "transformers:gpt2", "--config", "n_layer"], "key=value pairs"),
+    (["--model", "transformers:gpt2", "--config", "n_layr=2"],
+     "GPT2Config has no key 'n_layr' (did you mean n_layer?)"),
+    (["--model", "transformers:gpt2", "--config", "n_layer=two"], "--config n_layer=two: GPT2Config refuses it"),
+    (["--model", "transformers:gtp2"], "transformers has no model type 'gtp2' (did you mean gpt2"),
+    (["--model", "your_model_cases:cli_factory", "--epochs", "2"], "--epochs is for a factory that returns a loader"),
 ])
 def test_run_names_a_bad_model_flag(tmp_path, capsys, argv, message):
     assert main(["run", *argv, "--out", str(tmp_path)]) == 2

@@ -112,7 +112,7 @@ def test_a_host_leaves_and_comes_back_and_the_loss_curve_goes_on(tmp_path):
 def test_resuming_options_say_where_they_apply(tmp_path, capsys):
     from pipelab.commands.cli import main
     assert main(["run", "--stages", "auto"]) == 2
-    assert "--stages auto and --checkpoint are for the distributed engine" in capsys.readouterr().err
+    assert "--stages auto is for the distributed engine" in capsys.readouterr().err  # --checkpoint: both engines
     assert main(["run", "--backend", "distributed", "--stages", "auto"]) == 2
     assert "give --nproc" in capsys.readouterr().err
     with pytest.raises(ValueError, match="checkpoint every must be a positive"):

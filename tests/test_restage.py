@@ -1,5 +1,6 @@
 """Depth that changes between steps: `Pipeline.restage(p')` on the same model and optimizer continues training
-exactly as uninterrupted single-device training (same data, same optimizer state)."""
+exactly as uninterrupted single-device training (same data, same optimizer state); a model split by names is traced
+again at new split points, or cut by its split method."""
 
 import pytest
 import torch
@@ -38,6 +39,8 @@ def test_restage_says_what_it_needs():
         pipe.restage(4)
     with pytest.raises(ValueError, match="devices="):
         pipe.restage(4, schedule="gpipe")
+    with pytest.raises(ValueError, match="restage[(]n[)] re-cuts it by its split_method"):
+        pipe.restage(4, schedule="gpipe", devices="cpu", split_points=["2"])  # no sample to trace
     pipe.restage(4, schedule="gpipe", devices="cpu")
     assert pipe.schedule.n_stages == 4
 
@@ -59,3 +62,38 @@ def test_the_warm_up_and_a_restage_leave_accumulated_gradients_as_they_were(sche
     pipe.step(x, y)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, 3 * grads[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_model_split_by_names_restages_at_new_points_or_by_its_method_exactly():
+    """A tiny GPT-2 cut by names: two steps at 2 stages, a restage to 3 (no points: its 4 blocks cut evenly), one
+    to 2 at other points; every step's loss and the parameters at the end are the single device's."""
+    pytest.importorskip("transformers")
+    import copy
+
+    from your_model_cases import make_batch, make_model
+
+    model = make_model("gpt2")
+    reference = copy.deepcopy(model)
+    batches = [make_batch("gpt2", padded=True, seed=k) for k in range(4)]
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=3, split_points=["transformer.h.2"], sample=batches[0],
+                       devices="cpu")
+    # SGD with momentum: its state goes on across restages, and the parameters move linearly in the gradients
+    # (Adam's first steps scale each by its own size, turning rounding in a near-zero gradient into 1e-5)
+    sgd, plain = (torch.optim.SGD(params, lr=0.1, momentum=0.9)
+                  for params in (pipe.parameters(), reference.parameters()))
+    depths = [(2, None, ["transformer.h.2"]), (3, None, ["transformer.h.2", "transformer.h.3"]),
+              (2, ["transformer.h.1"], ["transformer.h.1"]), (2, None, ["transformer.h.1"])]
+    for step, (depth, points, firsts) in enumerate(depths):
+        if depth != pipe.n_stages or points is not None:
+            pipe.restage(depth) if points is None else pipe.restage(depth, split_points=points)
+        assert [stage.first_module for stage in pipe.partition.stages[1:]] == firsts, step
+        loss = pipe.step(batches[step]).loss
+        sgd.step()
+        sgd.zero_grad(set_to_none=True)
+        expected = reference(**batches[step]).loss
+        expected.backward()
+        plain.step()
+        plain.zero_grad(set_to_none=True)
+        assert loss == pytest.approx(expected.item(), rel=1e-5), step
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}")

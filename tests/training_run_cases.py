@@ -35,10 +35,11 @@ def loader(batch_size: int = 6) -> DataLoader:
     return DataLoader(sequences(), batch_size=batch_size, shuffle=True, collate_fn=pad)
 
 
-def single_device_run(model, epochs: int, clip: float, lr: float = 1e-2) -> tuple[list[float], dict]:
+def single_device_run(model, epochs: int, clip: float, lr: float = 1e-2,
+                      optimizer_class=torch.optim.AdamW) -> tuple[list[float], dict]:
     """The reference: the same loop on one device (`pl.train` seeds each epoch with torch.manual_seed(epoch))."""
     model = copy.deepcopy(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = optimizer_class(model.parameters(), lr=lr)
     losses = []
     for epoch in range(epochs):
         torch.manual_seed(epoch)
@@ -56,6 +57,18 @@ def pipelined_run(pipe, model, epochs: int, clip: float, lr: float = 1e-2) -> tu
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=lr)
     run = pl.train(pipe, loader(), optimizer, epochs=epochs, clip=clip, progress=False)
     return run.losses, {n: p.detach().clone() for n, p in model.named_parameters() if p.device.type != "meta"}
+
+
+def held_out() -> list[dict]:
+    """Six other sequences in two padded batches of 4 and 2 rows."""
+    rows = sequences(seed=1)[:6]
+    return [pad(rows[:4]), pad(rows[4:])]
+
+
+def cli_loader_factory():
+    """For `pipelab run --model training_run_cases:cli_loader_factory`: the tied GPT-2, the shuffled, padded
+    loader (its own loss: no loss_fn) and the held-out batches."""
+    return make_model("gpt2"), loader(), None, held_out()
 
 
 def train_on_ranks(kind: str, schedule: str) -> dict:

@@ -28,7 +28,8 @@ from ..predict.simulate import simulate as run_simulation
 from ..runtime.launcher.processes import DistributedError, Interrupted, launch
 from ..schedules import by_name
 from ..schedules.action import Kind
-from .training import add_run_arguments, finish, positive, train_local, train_rank, write_outputs
+from .run_report import finish, write_outputs
+from .training import add_run_arguments, positive, train_local, train_rank
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 

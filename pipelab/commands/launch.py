@@ -30,7 +30,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from ..common.errors import LostRankError
 from ..runtime.p2p import use_two_connections
 from ..runtime.launcher.processes import end_with_parent
-from .training import add_run_arguments, finish, train_rank
+from .run_report import finish
+from .training import add_run_arguments, train_rank
 
 
 @record

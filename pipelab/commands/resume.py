@@ -6,7 +6,8 @@
         ...one step...
         run.after_step(pipe, optimizer, k, loss, steps)   # logs the loss; saves at every `every`-th step
 
-Used by `pipelab.launch --checkpoint DIR` under torchrun's elasticity (`--nnodes MIN:MAX`): when a host
+Used by `pipelab run --checkpoint DIR` (one process, or one per stage) and by `pipelab.launch --checkpoint DIR`
+under torchrun's elasticity (`--nnodes MIN:MAX`): when a host
 leaves or joins, torchrun restarts every rank in a new world; each builds the pipeline at the depth the new
 world holds and reads the newest checkpoint (`runtime/checkpoints/checkpoint.py` reshards it to any depth, optimizer
 state included), so training goes on from the step it saved, on the same batch, with the same Adam moments.
@@ -46,11 +47,12 @@ class Resumable:
     def after_step(self, pipe, optimizer, step: int, loss: float, n_steps: int) -> None:
         """Log step `step` (0-based) and save after every `every`-th step and after the last."""
         done = step + 1
-        if dist.get_rank() == 0:
+        ranks = pipe.group is not None  # a DistributedPipeline's (one process: None)
+        if not ranks or dist.get_rank() == 0:
             self.folder.mkdir(parents=True, exist_ok=True)
             with open(self.folder / "losses.jsonl", "a") as log:
                 log.write(json.dumps({"step": done, "loss": loss, "stages": pipe.n_stages,
-                                      "world": dist.get_world_size()}) + "\n")
+                                      "world": dist.get_world_size() if ranks else 1}) + "\n")
         if done % self.every and done != n_steps:
             return
         self.checkpoints.save(pipe, optimizer, done)

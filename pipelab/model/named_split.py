@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_map
 
 from ..common.errors import PipelineError
 from .accepts import Accepts
+from .experts import check_traceable_experts
 from .stage import buffers_kept
 from .traced_stage import Piece, TracedStage, attribute
 
@@ -49,6 +50,7 @@ def split_by_names(model: nn.Module, split_points: list[str], sample: dict, dyna
         raise ValueError(f"the model has tensors on the meta device ({freed}, ...): a DistributedPipeline already "
                          "split it and freed the other ranks' stages; build a fresh model for another pipeline")
     check_points(model, split_points)
+    check_traceable_experts(model)  # an eager loop over MoE experts: refused with its fix, before export tries
     if not isinstance(sample, dict):
         raise TypeError("split_points traces the model with a micro-batch of its keyword arguments: pass the batch "
                         f"as a dict, e.g. {{'input_ids': ..., 'labels': ...}}, got {type(sample).__name__}")
@@ -136,7 +138,16 @@ def _export(model: nn.Module, kwargs: dict, split_points: list[str], dynamic: bo
             return torch.export.export(model, (), _copies(kwargs), strict=False)
         except Exception as error:
             raise PipelineError(f"torch.export could not trace the model to split it at {split_points}: "
-                                f"{type(error).__name__}: {str(error)[:800]}") from error
+                                f"{_meaning(error)}{type(error).__name__}: {str(error)[:800]}") from error
+
+
+def _meaning(error: Exception) -> str:
+    """What an export error says in a user's words, where it is a known kind ("" otherwise)."""
+    if "data-dependent" in str(error):
+        return ("the forward branches or loops on a tensor's values (data-dependent control flow, as a loop over "
+                "the items a mask or a router picked), which a trace cannot follow; write that part without it (a "
+                "mask or one batched operation over all items) or move it out of the model's forward.  ")
+    return ""
 
 
 def _copies(kwargs: dict) -> dict:

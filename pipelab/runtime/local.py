@@ -48,11 +48,15 @@ class Pipeline(Engine):
         self._start(model, options, LocalPlacement(options, where.n_stages, where.devices))
         self.devices, self.threads = self.placement.devices, options.threads
 
-    def restage(self, n_stages: int, schedule: str | Schedule | None = None, devices: Any = None) -> None:
+    def restage(self, n_stages: int, schedule: str | Schedule | None = None, devices: Any = None,
+                split_points: list[str] | None = None) -> None:
         """Cut the same model into `n_stages` stages between two steps (devices came or went): the same
         parameters, their `.grad` and so any optimizer over them go on as before, so training continues as
         if uninterrupted.  `schedule`: for the new depth (default: this one's name, e.g. "1f1b"); `devices`:
-        for the new stages (default: as before, when that was a name like "cpu")."""
+        for the new stages (default: as before, when that was a name like "cpu").  A model split by names is
+        traced again: at `split_points` (the modules where the new stages 1, 2, ... begin), or, without them,
+        its repeated blocks cut by this pipeline's `split_method` (as `pl.split` cuts a model given no points:
+        `model/partition.py: points_for`)."""
         if schedule is None:
             if not isinstance(self.options.schedule, str):
                 raise ValueError("this pipeline runs a hand-made Schedule: give restage(n, schedule=...) for the "
@@ -65,8 +69,14 @@ class Pipeline(Engine):
             devices = self.requested_devices
         if isinstance(self.options.split_method, Partition):
             raise ValueError("this pipeline was given a Partition: build a new one for the new depth")
-        self.__init__(self.model, n_stages=n_stages, devices=devices,
-                      options=dataclasses.replace(self.options, schedule=schedule))
+        if split_points is not None and self.options.sample is None:
+            raise ValueError("split_points cut a model by names, traced on sample=; this pipeline was built without "
+                             "one (an nn.Sequential cut between its blocks): restage(n) re-cuts it by its split_method")
+        by_names = self.options.split_points is not None or split_points is not None
+        options = dataclasses.replace(self.options, schedule=schedule)
+        if by_names:  # the old points made the old depth: the new ones, or the method's cut for the new depth
+            options = dataclasses.replace(options, split_points=None if split_points is None else list(split_points))
+        self.__init__(self.model, n_stages=n_stages, devices=devices, options=options)
 
 
 Pipeline.__init__.__signature__ = engine_signature(LocalPlacementArgs)
