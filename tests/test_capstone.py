@@ -122,3 +122,22 @@ def test_the_widgets_models_are_named_by_their_size(name):
     size = name.split(" B")[0]
     digits = len(size.partition(".")[2])
     assert round(spec.parameters / 1e9, digits) == float(size)
+
+
+def test_model_state_reproduces_zero_figure_1():
+    # Rajbhandari et al. 2020, Figure 1: Ψ = 7.5 B, N_d = 64, K = 12 -> 120, 31.4, 16.6, 1.88 GB a device
+    found = [capstone.model_state_bytes(7.5e9, how, 64) / 1e9 for how in ("whole", "zero-1", "zero-2", "zero-3")]
+    assert [round(x, 2) for x in found] == [120.0, 31.41, 16.64, 1.88]
+    assert capstone.model_state_bytes(7.5e9, "pp", 64) == capstone.model_state_bytes(7.5e9, "zero-3", 64)
+    with pytest.raises(ValueError, match="how must be one of"):
+        capstone.model_state_bytes(1e9, "zero-4", 8)
+    with pytest.raises(ValueError, match="devices must be a positive int"):
+        capstone.model_state_bytes(1e9, "pp", 0)
+
+
+def test_sharding_table_lines_up():
+    spec = pl.TransformerSpec(layers=40, hidden=5120, heads=40, seq=2048, vocab=51200)
+    text = capstone.sharding_table({"12.9 B": spec}, devices=8)
+    lines = text.splitlines()
+    assert len(lines) == 2 and "ZeRO-3/FSDP d = 8" in lines[0]
+    assert f"{16 * spec.parameters / 2**30:.1f}" in lines[1] and f"{2 * spec.parameters / 2**30:.1f}" in lines[1]

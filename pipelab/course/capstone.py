@@ -5,6 +5,7 @@
     capstone.scale_down(found.best.layout)                  # pp <= 2, tp <= 2, dp fills the ranks
     runs = capstone.run_scaled([(2, 1, 1), (1, 2, 1), (1, 1, 2)])   # real gloo ranks, beside predict()
     found = capstone.search_against_named(4, 8, costs, memory_limit=6)
+    capstone.model_state_bytes(12.9e9, "zero-3", 8)         # ZeRO's sharding beside PP's (lesson 14, "Sharding")
 
 `row_timeline` turns a `PlanRow` back into one micro-batch's T_F, T_B (and T_W for ZB-H1) on the
 busiest stage, from the row's own `seconds` (planner.py's module docstring):
@@ -50,7 +51,8 @@ from ..schedules.schedule import Schedule
 from ..show import plot
 
 GIB = 2**30
-# A 12.9 B GPT (40 layers of 5120, GPT-3 13B's shape) on 8 DGX A100 nodes (SC21's cluster, planner.py)
+# A 12.9 B GPT (40 layers of 5120 with 40 heads: GPT-3 13B's depth and heads at Megatron-LM's width; the GPT-3
+# paper's Table 2.1 prints 5140) on 8 DGX A100 nodes (SC21's cluster, planner.py)
 DEFAULTS = {"layers": 40, "hidden": 5120, "heads": 40, "seq": 2048, "vocab": 51200, "n_devices": 64,
             "devices_per_node": 8, "memory_gib": 80.0, "inside_gb_per_s": 300.0, "between_gb_per_s": 25.0,
             "global_batch": 512}
@@ -127,6 +129,42 @@ def show_plan(spec: TransformerSpec, found: Plan, n_rows: int = 6):
     right.legend(fontsize=7, loc="lower right")
     fig.tight_layout()
     return best
+
+
+# the state of mixed-precision Adam, bytes a parameter: 2 (fp16 weights) + 2 (fp16 gradients) + 12 (fp32 weights,
+# momentum, variance), ZeRO §3
+STATE_BYTES = {"parameters": 2, "gradients": 2, "optimizer": 12}
+SHARDING = ("whole", "pp", "zero-1", "zero-2", "zero-3")
+
+
+def model_state_bytes(parameters: float, how: str = "whole", devices: int = 1) -> float:
+    """Bytes of model state (parameters, gradients, optimizer state) one device holds (Rajbhandari et al. 2020,
+    ZeRO, §5 and Figure 1), Ψ parameters at 2 + 2 + 12 bytes (`STATE_BYTES`), n devices:
+
+        "whole"    16Ψ             every data-parallel replica keeps all of it (the planner's assumption)
+        "pp"       16Ψ/n           a pipeline of n equal stages (or n-way tensor parallelism)
+        "zero-1"   4Ψ + 12Ψ/n      n data-parallel ranks shard the optimizer state (P_os)
+        "zero-2"   2Ψ + 14Ψ/n      ... and the gradients (P_os+g)
+        "zero-3"   16Ψ/n           ... and the parameters (P_os+g+p; PyTorch's FSDP)
+    """
+    if how not in SHARDING:
+        raise ValueError(f"how must be one of {', '.join(SHARDING)}, got {how!r}")
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"devices must be a positive int, got {devices!r}")
+    p, g, o = (STATE_BYTES[k] * parameters for k in ("parameters", "gradients", "optimizer"))
+    return {"whole": p + g + o, "pp": (p + g + o) / devices, "zero-1": p + g + o / devices,
+            "zero-2": p + (g + o) / devices, "zero-3": (p + g + o) / devices}[how]
+
+
+def sharding_table(specs: dict[str, TransformerSpec], devices: int = 8) -> str:
+    """GiB of model state a device holds, per model: whole, a pipeline of n stages, ZeRO-1, -2 and -3 on n ranks."""
+    heads = ("whole", f"PP p = {devices}", f"ZeRO-1 d = {devices}", f"ZeRO-2 d = {devices}",
+             f"ZeRO-3/FSDP d = {devices}")
+    lines = [f"{'model':20} {'parameters':>10}" + "".join(f"{h:>19}" for h in heads) + "   (GiB a device)"]
+    for name, spec in specs.items():
+        cells = "".join(f"{model_state_bytes(spec.parameters, how, devices) / GIB:19.1f}" for how in SHARDING)
+        lines.append(f"{name:20} {spec.parameters / 1e9:9.2f}B" + cells)
+    return "\n".join(lines)
 
 
 def scale_down(layout: Layout, n_ranks: int = 2) -> Layout:

@@ -8,7 +8,7 @@ Lesson 06 calls these functions; each is tested in tests/test_compare_engines.py
     run.measured    # pl.DistributedPipeline on 2 processes, wall clock      ("measured")
     run.real.speedup, run.real.formula_speedup   # against one process running the whole model
 
-The speed-up formula (GPipe §2.3; Megatron-LM SC21 §2.2.1): with p equal stages, m
+The speed-up formula, from the bubble of GPipe §2.3 and Megatron-LM SC21 §2.2.1: with p equal stages, m
 micro-batches and free links, S = p·m / (m + p - 1).  How the real run is timed (a warm-up
 step, then the fastest of the others): docs/course.md, "Lesson 06: three ways".
 """
@@ -50,7 +50,7 @@ PROCESS_LIMITS = {"n_processes": 4, "n_microbatches": 16}
 
 
 def formula_speedup(n_stages: int, n_microbatches: int) -> float:
-    """p·m / (m + p - 1): the speed-up of p equal stages over one device, free links (GPipe §2.3)."""
+    """p·m / (m + p - 1): the speed-up of p equal stages over one device, free links (from GPipe's bubble, §2.3)."""
     return n_stages * n_microbatches / (n_microbatches + n_stages - 1)
 
 

@@ -120,8 +120,8 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
         term("hybrid (3D) parallelism", "混合並行",
              "Data, pipeline and tensor parallelism at once on a dp × pp × tp mesh, e.g. BLOOM-176B on "
              "8 × 12 × 4 GPUs: TP inside a node, PP across nodes as deep as memory needs, DP for the rest.",
-             "08 4. All three at once, on 8 processes", "08 5. The rule that picks a layout",
-             "08 6. Layouts of real runs", source=True),
+             "08 5. All three at once, on 8 processes", "08 6. The rule that picks a layout",
+             "08 7. Layouts of real runs", source=True),
         term("distributed training", "分佈式訓練",
              "Training one model on several devices whose processes exchange tensors; pipelab's distributed "
              "engine runs one stage per process over torch.distributed (gloo on CPUs, NCCL on GPUs).",
@@ -204,16 +204,16 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
              "update after a flush; every stage keeps all m micro-batches' activations.",
              "03 1. The text's time steps on a grid", "03 2. The bubble formula", source=True, task="2.1"),
         term("fill", "填充",
-             "The start of a pass, while the first micro-batch works its way down: device d starts d steps after "
-             "device 0, (p − 1)·t idle per pass.",
+             "The start of a pass, while the first micro-batch works its way down: device d starts d·t after "
+             "device 0 (the drain adds the rest of its idle time).",
              "03 The same step on a clock: three phases, twice", source=True),
         term("steady state", "穩定階段",
              "The middle of a pass, when every device is busy: (m − p + 1)·t per pass in GPipe. In 1F1B each "
              "device alternates one forward and one backward.",
              "03 The same step on a clock: three phases, twice", "04 2. GPipe and 1F1B, side by side"),
         term("drain", "清空",
-             "The end of a pass: the last micro-batch leaves and the devices fall idle one after another, "
-             "another (p − 1)·t.",
+             "The end of a pass: the last micro-batch leaves and the devices fall idle one after another, device d "
+             "(p − 1 − d)·t before the end. Fill and drain together leave each device idle (p − 1)·t per pass.",
              "03 The same step on a clock: three phases, twice", source=True),
         term("flush", "沖刷（flush）",
              "Letting every micro-batch of a step finish before the one weight update, so that all of them use "
@@ -372,8 +372,26 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
              "13 2. Limited GPUs and fine-tuning"),
         term("training state", "訓練狀態",
              "What a device holds besides activations: parameters, gradients and optimizer state, about 16 bytes "
-             "per parameter with mixed-precision Adam (ZeRO §3); pipelining divides it by p.",
-             "13 1. Very large models", "01 4. The text's advantages: why pipelines suit deep models"),
+             "per parameter with mixed-precision Adam (ZeRO §3); pipeline and tensor parallelism divide it by p "
+             "and t, ZeRO-3 (FSDP) by d.",
+             "13 1. Very large models", "01 4. The text's advantages: why pipelines suit deep models",
+             "14 Sharding beside pipelining"),
+        term("ZeRO and fully sharded data parallelism (FSDP)", "ZeRO 與全分片數據並行（FSDP）",
+             "Data-parallel ranks that shard the model state instead of each keeping all of it (Rajbhandari et "
+             "al. 2020): ZeRO-1 the optimizer state, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the parameters too, "
+             "16Ψ/d a device. Pipelines combine easily with ZeRO-1 only: sharded gradients would be "
+             "reduce-scattered once per micro-batch, not once per step.",
+             "14 Sharding beside pipelining"),
+        term("activations of a transformer layer", "每層激活值（Korthikanti 公式）",
+             "What one layer keeps for its backward at 16 bits (Korthikanti et al. 2022): sbh·(34 + 5as/h) bytes; "
+             "under t-way tensor parallelism sbh·(10 + 24/t + 5as/(ht)), the 10 (layer norms, their outputs, two "
+             "dropout masks) whole on every rank.",
+             "08 4. What TP does to activations: Korthikanti's count", "14 1. The plan"),
+        term("sequence parallelism", "序列並行",
+             "Splitting a tensor-parallel layer's layer norms and dropouts along the sequence over the t ranks "
+             "(Korthikanti et al. 2022, §4.2.2): a layer's activations fall to sbh·(34/t + 5as/(ht)). Named, not "
+             "run, in this course.",
+             "08 4. What TP does to activations: Korthikanti's count"),
     )),
     ("Running and measuring · 執行與量測", (
         term("trace", "追蹤記錄（trace）",
@@ -449,7 +467,7 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
         term("global batch", "全域批次",
              "The batch B over all replicas, fixed by the optimisation; with micro-batch b and d replicas "
              "m = B/(b·d), so the bubble is (p − 1)·b·d/B of the ideal time.",
-             "08 5. The rule that picks a layout", "14 1. The plan"),
+             "08 6. The rule that picks a layout", "14 1. The plan"),
         term("layout planner", "佈局規劃器",
              "pl.plan: every (dp, pp, tp) with dp·pp·tp = devices, each schedule and recomputation, ranked by "
              "predicted step time, with memory per device and bytes per kind; those over the memory limit are "
@@ -476,13 +494,20 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
     )),
     ("Where it is used · 實際應用", (
         term("forward-only (inference) schedule", "僅前向排程（推理）",
-             "Each micro-batch goes through every stage once and nothing is kept (action E): each request's "
-             "latency is p·t whatever m, the throughput m/((m + p − 1)·t).",
+             "Each micro-batch goes through every stage once and nothing is kept (action E): its service time "
+             "inside the pipeline is p·t whatever m, the throughput m/((m + p − 1)·t).",
              "13 4. Edge inference", task="6.2"),
         term("edge inference", "邊緣推理",
              "The course text's use: a model split over several edge devices (分佈式推理, distributed inference) "
-             "so that it fits; a pipeline raises throughput, not one request's latency.",
+             "so that it fits; the pipeline does not shorten a request's service time, p·t, but raises throughput, "
+             "so requests that arrive together wait less.",
              "13 4. Edge inference", source=True),
+        term("latency and service time", "延遲與服務時間",
+             "Service time: a request's time inside the pipeline, p·t on p stages of t each, whatever m. Latency: "
+             "from its arrival to its answer, waiting included: of requests that arrive together, the i-th "
+             "leaves at (i + p)·t on the pipeline against (i + 1)·p·t on one device; an edge pipeline adds "
+             "(p − 1) link times.",
+             "13 4. Edge inference", task="6.2"),
         term("KV cache lanes", "KV 快取通道",
              "Pipelined generation keeps m groups of sequences (lanes) in flight, each with its own key/value "
              "cache on every stage (pipe.generate(..., lanes=m)), so that with m ≥ p lanes every stage has a "
