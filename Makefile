@@ -4,7 +4,7 @@ PYTHON ?= python3
 PY      = $(VENV)/bin/python
 STAMP   = $(VENV)/.pipelab-installed
 
-.PHONY: lab demo test screenshots install clean
+.PHONY: lab demo test screenshots student-copy install clean
 
 lab: $(STAMP)          ## open the course in JupyterLab (headless machines: `make demo`)
 	$(VENV)/bin/pipelab lab
@@ -17,6 +17,10 @@ test: $(STAMP)         ## every test: engine, graders (solutions, stubs, mutants
 
 screenshots: $(STAMP)  ## the README's screenshots (docs/*.png), by the browser test (needs Chromium)
 	PIPELAB_SCREENSHOTS=docs $(PY) -m pytest tests/test_browser.py -p no:cacheprovider
+
+student-copy: $(STAMP) ## the course without solutions/ or the graders' own tests, for students: make student-copy DIR=../pipelab-student
+	@test -n "$(DIR)" || { echo "usage: make student-copy DIR=../pipelab-student"; exit 2; }
+	$(PY) -m pipelab.course.student_copy "$(DIR)"
 
 install: $(STAMP)
 

@@ -4,10 +4,12 @@
     pipelab grade 1.1                  one task (``task1_1`` works too)
     pipelab grade --impl solutions     the reference answers instead of exercises/
     pipelab grade 1.2 -- -x            arguments after -- go to pytest
+    pipelab grade --json               for an autograder: one JSON object, one entry per task
 
 For the chosen tasks it runs pytest on tests/tasks in a subprocess and prints one line per
 task: ✅ passed, ❌ failing (with its first failure), or ⏳ not started (every test still
-meets the stub's NotImplementedError).  ``run_task_tests`` is also what
+meets the stub's NotImplementedError); with ``--json``, one JSON document instead (`report_json`:
+per task its status, its first failure and the test that failed).  ``run_task_tests`` is also what
 tests/test_grading.py uses to check solutions, stubs and mutants.
 
 Details (the pytest command, timeouts and the watchdog, how outcomes travel back, what is
@@ -239,7 +241,7 @@ def format_report(run: TestRun, tasks: list[str], impl: str, seed: int | None = 
             lines.append(f"{head}: passed ({n_ok} tests)")
             continue
         if status == "not_started":
-            stubs = sorted({f"{o.function}() in {o.raised_in.split(':')[0]}" for o in outcomes})
+            stubs = _stubs(outcomes)
             lines.append(f"{head}: not started")
             lines.append(f"      still raising NotImplementedError: {', '.join(stubs)}")
         else:
@@ -257,14 +259,60 @@ def format_report(run: TestRun, tasks: list[str], impl: str, seed: int | None = 
     return "\n".join(lines)
 
 
+def _first_failing(outcomes: list[TestOutcome]) -> TestOutcome | None:
+    """The test a failing task is reported by: the first that failed or timed out, else the first not passed."""
+    failing = [o for o in outcomes if o.status in ("failed", "timed_out")]
+    failing = failing or [o for o in outcomes if o.status not in ("passed", "skipped")]
+    return failing[0] if failing else None
+
+
+def _rerun(first: TestOutcome, impl: str, seed: int | None) -> str:
+    impl_option = "" if impl == "exercises" else f" --impl {impl}"
+    seed_option = f" --hypothesis-seed={seed}" if seed is not None and first.example else ""
+    return f'python -m pytest "{first.nodeid}"{impl_option}{seed_option}'
+
+
+def _stubs(outcomes: list[TestOutcome]) -> list[str]:
+    return sorted({f"{o.function}() in {o.raised_in.split(':')[0]}" for o in outcomes})
+
+
+def report_json(run: TestRun, tasks: list[str], impl: str, seed: int | None = None) -> dict:
+    """The report for an autograder (GitHub Classroom, Gradescope): per task one object,
+
+        {"task": "1.1", "title": ..., "lesson": "lessons/01_splitting.ipynb",
+         "status": "passed" | "failing" | "not_started", "tests": 12, "passed": 11,
+         "still_raising": ["balanced_bounds() in exercises/partition.py"],   # not_started: the stubs left
+         "first_failure": null | {"test": nodeid, "status": "failed" | "timed_out" | ..., "property": ...,
+                                  "example": ..., "message": ..., "at": "exercises/partition.py:52",
+                                  "function": ..., "rerun": "python -m pytest ..."}}
+
+    in {"impl": ..., "hypothesis_seed": ..., "tasks": [...], "passed": k, "total": n, "errors": [...]}.
+    """
+    titles = task_titles()
+    entries = []
+    for task in tasks:
+        outcomes = [o for o in run.outcomes if o.task == task]
+        status = task_status(outcomes)
+        title, lesson = titles.get(task, ("", ""))
+        entry = {"task": task, "title": title, "lesson": lesson_path(lesson) if lesson else "", "status": status,
+                 "tests": len(outcomes), "passed": sum(o.status == "passed" for o in outcomes),
+                 "still_raising": _stubs(outcomes) if status == "not_started" else [], "first_failure": None}
+        first = _first_failing(outcomes) if status == "failing" else None
+        if first is not None:
+            entry["first_failure"] = {"test": first.nodeid, "status": first.status, "property": first.property,
+                                      "example": first.example, "message": first.message, "at": first.raised_in,
+                                      "function": first.function, "rerun": _rerun(first, impl, seed)}
+        entries.append(entry)
+    return {"impl": impl if impl in PACKAGES else str(Path(impl)), "hypothesis_seed": seed, "tasks": entries,
+            "passed": sum(e["status"] == "passed" for e in entries), "total": len(entries), "errors": run.errors}
+
+
 def _first_failure(outcomes: list[TestOutcome], impl: str, seed: int | None = None) -> list[str]:
     """The first failing test: the property it checks, hypothesis' failing example, what
     happened, and the command that reruns it (with the same seed, so the same examples)."""
-    failing = [o for o in outcomes if o.status in ("failed", "timed_out")]
-    failing = failing or [o for o in outcomes if o.status not in ("passed", "skipped")]
-    if not failing:
+    first = _first_failing(outcomes)
+    if first is None:
         return []
-    first = failing[0]
     lines = []
     if first.property:
         lines.append(f"      broken:  {first.property}")
@@ -284,9 +332,7 @@ def _first_failure(outcomes: list[TestOutcome], impl: str, seed: int | None = No
     not_run = sum(o.status in ("skipped", "not_run") for o in outcomes)
     if not_run:
         lines.append(f"      ({not_run} other test{'s were' if not_run > 1 else ' was'} not run)")
-    impl_option = "" if impl == "exercises" else f" --impl {impl}"
-    seed_option = f" --hypothesis-seed={seed}" if seed is not None and first.example else ""
-    lines.append(f'      rerun it:  python -m pytest "{first.nodeid}"{impl_option}{seed_option}')
+    lines.append(f"      rerun it:  {_rerun(first, impl, seed)}")
     return lines
 
 
@@ -309,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="exercises (default), solutions, or a directory of modules")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S,
                         help="seconds a test may run before it is stopped (default 60)")
+    parser.add_argument("--json", action="store_true",
+                        help="print one JSON document for an autograder: per task its status, first failure and "
+                             "the test that failed")
     argv = sys.argv[1:] if argv is None else list(argv)
     pytest_args = []
     if "--" in argv:  # pipelab grade 1.1 -- -x: what follows -- goes to pytest
@@ -322,6 +371,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipelab grade: no graded tests at {TASKS_DIR}.\nThey come with the course, "
               "not with the installed package: run `pipelab grade` in a clone of the course "
               "repository (after `make install`).", file=sys.stderr)
+        return 2
+    if args.impl == "solutions" and not (ROOT / "solutions").is_dir():
+        print("pipelab grade: this copy of the course has no solutions/ (a student copy): grade your exercises/ "
+              "with `pipelab grade`", file=sys.stderr)
         return 2
     missing = [name for name in ("pytest", "pytest_timeout", "hypothesis")
                if importlib.util.find_spec(name) is None]
@@ -341,7 +394,10 @@ def main(argv: list[str] | None = None) -> int:
         seed = random.SystemRandom().randrange(2**32)
         pytest_args = [f"--hypothesis-seed={seed}", *pytest_args]
     run = run_task_tests(args.impl, tasks, timeout_s=args.timeout, pytest_args=tuple(pytest_args))
-    print(format_report(run, tasks, args.impl, seed))
+    if args.json:
+        print(json.dumps(report_json(run, tasks, args.impl, seed), indent=1, ensure_ascii=False))
+    else:
+        print(format_report(run, tasks, args.impl, seed))
     passed = all(task_status([o for o in run.outcomes if o.task == t]) == "passed" for t in tasks)
     return 0 if passed and not run.errors else 1
 
