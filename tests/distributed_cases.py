@@ -268,14 +268,43 @@ def run_structured(schedule: str, n_microbatches: int) -> dict:
     return {"loss": result.loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def step_onto_existing_gradients() -> float:
-    """On every rank: a model that already holds one plain step's gradients, then one pipelined step (its first:
-    warmed up before it); the largest difference of this rank's gradients from twice the plain step's."""
+class TiedHead(torch.nn.Module):
+    """The projection onto the vocabulary with the input embedding's own weight (a tied output layer)."""
+
+    def __init__(self, embedding: torch.nn.Embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, hidden):
+        return hidden @ self.embedding.weight.T
+
+
+def tied_model() -> torch.nn.Sequential:
+    """Embedding, Linear | Tanh, TiedHead: cut in two, the embedding's weight is used on both ranks."""
+    torch.manual_seed(7)
+    embedding = torch.nn.Embedding(11, 8)
+    return torch.nn.Sequential(embedding, torch.nn.Linear(8, 8), torch.nn.Tanh(), TiedHead(embedding))
+
+
+def tied_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(8)
+    return torch.randint(0, 11, (6, 5), generator=generator), torch.randn(6, 5, 11, generator=generator)
+
+
+def sums_on_two_ranks() -> dict:
+    """On every rank, two sums a step must get right: `existing`, the largest difference of this rank's gradients
+    from twice the plain step's, after a pipelined step onto one plain step's gradients (its first step: warmed up
+    before it); `tied`, the gradients this rank holds after one step of `tied_model`."""
     model = pl.models.mlp(depth=4, width=16, seed=3)
     x, y = same_batch((12, 16), (12, 16))
     _, grads = pl.single_device_gradients(model, x, y, torch.nn.MSELoss())
     torch.nn.MSELoss()(model(x), y).backward()
     pipe = pl.DistributedPipeline(model, n_microbatches=3, schedule="1f1b", loss_fn=torch.nn.MSELoss())
     pipe.step(x, y)
-    return max((p.grad - 2 * grads[n]).abs().max().item() for n, p in model.named_parameters()
-               if p.device.type != "meta")
+    existing = max((p.grad - 2 * grads[n]).abs().max().item() for n, p in model.named_parameters()
+                   if p.device.type != "meta")
+    tied = tied_model()
+    pipe = pl.DistributedPipeline(tied, n_microbatches=2, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    pipe.step(*tied_batch())
+    return {"existing": existing, "tied": {n: p.grad.clone() for n, p in tied.named_parameters() if p.grad is not None},
+            "shared": pipe.shared.ranks}
