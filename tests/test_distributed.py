@@ -193,20 +193,22 @@ def test_activations_and_gradients_have_tags_of_their_own_parity_and_every_messa
     assert not set(forward) & set(backward)
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="counts threads in Linux's /proc")
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads and sockets in Linux's /proc")
 def test_local_gloo_ranks_get_two_connections_per_pair_unless_the_user_chose(monkeypatch):
     from pipelab.runtime.p2p import loopback_interface
 
     loopback = loopback_interface()
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    payload = 200 * 1000 * 4  # 200 messages of 1000 float32
     for interfaces, threads, bursts in pl.distributed.launch(cases.gloo_connections, 2, True):
         assert (interfaces, threads) == (f"{loopback},{loopback}", 2)
-        # measured, not derived from the tags: 200 activations wake one I/O thread, 200 gradients the other
-        (busy_forward, idle_forward), (busy_backward, idle_backward) = (
-            sorted(burst, key=burst.get, reverse=True) for burst in bursts)
-        assert busy_forward != busy_backward, bursts
-        for burst, busy, idle in ((bursts[0], busy_forward, idle_forward), (bursts[1], busy_backward, idle_backward)):
-            assert burst[busy] >= 100 and burst[idle] * 5 < burst[busy], bursts
+        # measured, not derived from the tags: the bytes each socket carried (the kernel's count, whatever the
+        # load): the 200 activations on one connection, the 200 gradients on the other
+        busy = [max(burst, key=burst.get) for burst in bursts]
+        assert busy[0] != busy[1], bursts
+        for burst, socket in zip(bursts, busy):
+            assert burst[socket] >= payload, bursts
+            assert all(moved * 20 < burst[socket] for other, moved in burst.items() if other != socket), bursts
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", loopback)
     assert pl.distributed.launch(cases.gloo_connections, 2) == [(loopback, 1, [])] * 2
 
