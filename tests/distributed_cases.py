@@ -135,6 +135,26 @@ def stops_itself(stopped_rank: int) -> None:
     pipe.step(x, y)
 
 
+def hangs_before_a_step(seconds: float) -> str:
+    """Rank 1 builds the pipeline, then hangs for `seconds` without beating (its peer heartbeat stopped, as in a
+    process stopped or holding the GIL); rank 0 starts a step, whose batch check (a collective) times out.  What
+    rank 0 was told."""
+    from pipelab.runtime import peers
+
+    model = pl.models.mlp(depth=4, width=8, seed=0)
+    pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    x, y = same_batch((8, 8), (8, 8))
+    if dist.get_rank() == 1:
+        peers._beating["stop"].set()
+        time.sleep(seconds)
+        return ""
+    try:
+        pipe.step(x, y)
+    except pl.PipelineError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 def returns_early(early_rank: int, steps: int) -> int:
     """`steps` 1F1B steps of a small MLP, but `early_rank` returns before its last one; each rank's count."""
     model = pl.models.mlp(depth=4, width=8, seed=0)
