@@ -164,6 +164,30 @@ def test_ctrl_c_on_pipelab_run_stops_every_rank_and_says_so_in_one_line(tmp_path
         "pipelab run: interrupted: ranks 0-1 stopped", output[-3000:]
 
 
+def test_ctrl_c_on_torchrun_through_pipelabs_wrapper_says_interrupted_and_exits_130(tmp_path):
+    """torchrun's agent (torch's code) ends a Ctrl-C with a SignalException traceback and exit code 1; its main
+    run by `runtime/launcher/torchrun.py` says one line and exits 130, as `pipelab run` does."""
+    log = tmp_path / "log.txt"
+    process = start_training([sys.executable, "-m", "pipelab.runtime.launcher.torchrun", "--nproc-per-node", "2",
+                              "-m", "pipelab.launch", *SMALL, "--steps", "100000", "--out", str(tmp_path)], log)
+    ranks = [p for p in psutil.Process(process.pid).children(recursive=True)
+             if "pipelab.launch" in " ".join(p.cmdline())]
+    try:
+        process.send_signal(signal.SIGINT)  # what Ctrl-C sends torchrun
+        code = process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while running(ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running(ranks) == []
+    finally:
+        for rank in running(ranks):
+            rank.kill()
+    output = log.read_text()
+    assert code == 130, output[-3000:]
+    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
+    assert output.rstrip("\n").split("\n")[-1] == "torchrun: interrupted: the ranks were stopped", output[-3000:]
+
+
 def test_killing_torchrun_with_sigkill_ends_its_ranks(tmp_path):
     """torchrun's agent cannot stop its ranks when it is SIGKILLed: each rank's parent-death signal does.
     (torchrun starts each rank in a session of its own: they are found as its children, before the kill.)"""
