@@ -50,16 +50,16 @@ def start() -> bool:
     clients of its own)."""
     if not dist.is_initialized() or dist.get_world_size() < 2:
         return False
-    store = dist.distributed_c10d._get_default_store()  # private, as torch's own elastic code uses it
-    if _beating.get("store") is store:
-        return True
-    if "stop" in _beating:
-        _beating["stop"].set()
     try:
+        store = dist.distributed_c10d._get_default_store()  # private, as torch's own elastic code uses it
+        if _beating.get("store") is store:
+            return True
         client = store.clone()
         client.set_timeout(timedelta(seconds=READ_SECONDS))
-    except (RuntimeError, NotImplementedError):
+    except Exception:  # a store that cannot make a client of its own: no heartbeat, errors say what gloo says
         return False
+    if "stop" in _beating:
+        _beating["stop"].set()
     stop, key = threading.Event(), _KEY.format(rank=dist.get_rank())
     value = f"{{:.3f}} {os.getpid()} {socket.gethostname()}"
 
