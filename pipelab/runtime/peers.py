@@ -1,7 +1,8 @@
 """Each rank's heartbeat where the other ranks read it, so that a rank left waiting names the one that stalled.
 
     peers.start()                  # every rank, once its process group is up (a DistributedPipeline does it)
-    peers.describe(1, error)       # after a wait for rank 1 failed: why, in words
+    peers.describe(1, error)       # after a wait for rank 1 failed: why, in words (p2p.wait)
+    with peers.naming_the_stalled(rank): ...   # a collective's timeout names the ranks that stalled
 
 `pl.distributed.launch` watches its ranks from the launcher (`launcher/progress.py`, `processes.py`); under
 torchrun nothing does, and a rank stopped by SIGSTOP, or hung holding Python's GIL, leaves the
@@ -12,11 +13,13 @@ through a client of its own (`Store.clone`).  A rank whose wait failed reads the
 then again `WATCH_SECONDS` later:
 
 - the connection was closed or reset: the peer died;
-- the key did not change: the peer stopped responding (alive, not progressing: stopped or
-  hung); on the same host its process tells which (`/proc/<pid>/stat`: T is stopped, SIGSTOP
-  or a debugger; gone is dead);
+- the key did not change: the peer stopped responding; on the same host its process tells
+  how (`/proc/<pid>/stat`: T is stopped, by SIGSTOP or a debugger; running is hung; gone is
+  dead); on another host it may also be cut off;
 - the key changed: the peer is alive and beating, so it waits too (a deadlock), or its work
   takes longer than the timeout.
+
+"N s ago" compares the peer's clock with this rank's: across hosts, as good as their clocks agree.
 
 Details: docs/distributed.md, "When a rank fails".
 """
@@ -138,8 +141,8 @@ def _watch(ranks: list[int]) -> dict[int, tuple[str, bool]] | None:
 
 def _state(pid: int, host: str, where: str) -> str:
     """What the stalled process is doing, when it runs on this host (else only that it does not beat)."""
-    if host != socket.gethostname():
-        return f"alive, not progressing: stopped or hung; {where}"
+    if host != socket.gethostname():  # its process cannot be looked at from here, nor a cut link told apart
+        return f"its heartbeat stopped: stopped, hung, or cut off from this host; {where}"
     try:
         with open(f"/proc/{pid}/stat") as stat:
             state = stat.read().rpartition(")")[2].split()[0]
