@@ -135,6 +135,26 @@ def stops_itself(stopped_rank: int) -> None:
     pipe.step(x, y)
 
 
+def hangs_before_a_step(seconds: float) -> str:
+    """Rank 1 builds the pipeline, then hangs for `seconds` without beating (its peer heartbeat stopped, as in a
+    process stopped or holding the GIL); rank 0 starts a step, whose batch check (a collective) times out.  What
+    rank 0 was told."""
+    from pipelab.runtime import peers
+
+    model = pl.models.mlp(depth=4, width=8, seed=0)
+    pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    x, y = same_batch((8, 8), (8, 8))
+    if dist.get_rank() == 1:
+        peers._beating["stop"].set()
+        time.sleep(seconds)
+        return ""
+    try:
+        pipe.step(x, y)
+    except pl.PipelineError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 def returns_early(early_rank: int, steps: int) -> int:
     """`steps` 1F1B steps of a small MLP, but `early_rank` returns before its last one; each rank's count."""
     model = pl.models.mlp(depth=4, width=8, seed=0)
@@ -175,22 +195,45 @@ def nccl_step(kind: str, schedule: str, n_microbatches: int) -> dict:
             "grads": {n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def _io_thread_wakeups() -> dict[int, int]:
-    """Per gloo I/O thread ("gloo_tcp_loop", one per device and connection), by thread id: its wakeups so far."""
-    found = {}
+def _io_threads() -> int:
+    """gloo's I/O threads ("gloo_tcp_loop"): one per device, so one per connection to each peer."""
+    found = 0
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{task}/comm") as comm:
-            if comm.read().strip() != "gloo_tcp_loop":
+            found += comm.read().strip() == "gloo_tcp_loop"
+    return found
+
+
+def _tcp_bytes() -> dict[str, int]:
+    """Per TCP socket of this process (by its /proc inode): the bytes it carried so far, sent (acknowledged) plus
+    received, from the kernel's own count (TCP_INFO's tcpi_bytes_acked and tcpi_bytes_received, Linux 4.1+)."""
+    import socket
+    import struct
+
+    found = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if not target.startswith("socket:"):
                 continue
-        with open(f"/proc/self/task/{task}/status") as status:
-            found[int(task)] = int(status.read().split("voluntary_ctxt_switches:")[1].split()[0])
+            with socket.socket(fileno=os.dup(int(fd))) as sock:
+                if sock.family not in (socket.AF_INET, socket.AF_INET6) or sock.type != socket.SOCK_STREAM:
+                    continue
+                info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        except OSError:  # closed meanwhile, or a listening socket
+            continue
+        if len(info) >= 136:
+            acked, received = struct.unpack_from("QQ", info, 120)
+            found[target] = acked + received
     return found
 
 
 def gloo_connections(measure: bool = False) -> tuple:
-    """This rank's GLOO_SOCKET_IFNAME, its number of gloo I/O threads and, with `measure`, the
-    wakeups of each I/O thread while 200 messages go 0 -> 1 under pipelab's activation tags,
-    then under its gradient tags: which connection each direction really travels on."""
+    """This rank's GLOO_SOCKET_IFNAME, its number of gloo I/O threads and, with `measure`, the bytes each of
+    its TCP sockets carried while 200 messages of 4000 bytes went 0 -> 1 under pipelab's activation tags, then
+    under its gradient tags: which connection each direction really travels on.  Bytes, counted by the kernel,
+    do not depend on how busy the machine is (the I/O threads' wakeups, counted before, did: under load a
+    thread reads several messages per wakeup)."""
     from pipelab.runtime.p2p import _tag
 
     bursts = []
@@ -198,14 +241,15 @@ def gloo_connections(measure: bool = False) -> tuple:
         m = 200
         for kind, stage in (("F", 0), ("B", 1)):
             dist.barrier()
-            before = _io_thread_wakeups()
+            before = _tcp_bytes()
             message = torch.zeros(1000)
             for i in range(m):
                 tag = _tag(pl.Action(kind, stage, i), m, 2)  # the message's first tensor
                 (dist.send if dist.get_rank() == 0 else dist.recv)(message, 1 - dist.get_rank(), tag=tag)
-            after = _io_thread_wakeups()
-            bursts.append({thread: after[thread] - before[thread] for thread in after})
-    return os.environ.get("GLOO_SOCKET_IFNAME"), len(_io_thread_wakeups()), bursts
+            dist.barrier()  # every message received: the sender's last bytes acknowledged, counted in this burst
+            after = _tcp_bytes()
+            bursts.append({socket: after[socket] - before.get(socket, 0) for socket in after})
+    return os.environ.get("GLOO_SOCKET_IFNAME"), _io_threads(), bursts
 
 
 def shifted_clock(seconds: float) -> dict:
@@ -268,14 +312,43 @@ def run_structured(schedule: str, n_microbatches: int) -> dict:
     return {"loss": result.loss, "grads": {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def step_onto_existing_gradients() -> float:
-    """On every rank: a model that already holds one plain step's gradients, then one pipelined step (its first:
-    warmed up before it); the largest difference of this rank's gradients from twice the plain step's."""
+class TiedHead(torch.nn.Module):
+    """The projection onto the vocabulary with the input embedding's own weight (a tied output layer)."""
+
+    def __init__(self, embedding: torch.nn.Embedding):
+        super().__init__()
+        self.embedding = embedding
+
+    def forward(self, hidden):
+        return hidden @ self.embedding.weight.T
+
+
+def tied_model() -> torch.nn.Sequential:
+    """Embedding, Linear | Tanh, TiedHead: cut in two, the embedding's weight is used on both ranks."""
+    torch.manual_seed(7)
+    embedding = torch.nn.Embedding(11, 8)
+    return torch.nn.Sequential(embedding, torch.nn.Linear(8, 8), torch.nn.Tanh(), TiedHead(embedding))
+
+
+def tied_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(8)
+    return torch.randint(0, 11, (6, 5), generator=generator), torch.randn(6, 5, 11, generator=generator)
+
+
+def sums_on_two_ranks() -> dict:
+    """On every rank, two sums a step must get right: `existing`, the largest difference of this rank's gradients
+    from twice the plain step's, after a pipelined step onto one plain step's gradients (its first step: warmed up
+    before it); `tied`, the gradients this rank holds after one step of `tied_model`."""
     model = pl.models.mlp(depth=4, width=16, seed=3)
     x, y = same_batch((12, 16), (12, 16))
     _, grads = pl.single_device_gradients(model, x, y, torch.nn.MSELoss())
     torch.nn.MSELoss()(model(x), y).backward()
     pipe = pl.DistributedPipeline(model, n_microbatches=3, schedule="1f1b", loss_fn=torch.nn.MSELoss())
     pipe.step(x, y)
-    return max((p.grad - 2 * grads[n]).abs().max().item() for n, p in model.named_parameters()
-               if p.device.type != "meta")
+    existing = max((p.grad - 2 * grads[n]).abs().max().item() for n, p in model.named_parameters()
+                   if p.device.type != "meta")
+    tied = tied_model()
+    pipe = pl.DistributedPipeline(tied, n_microbatches=2, schedule="1f1b", loss_fn=torch.nn.MSELoss())
+    pipe.step(*tied_batch())
+    return {"existing": existing, "tied": {n: p.grad.clone() for n, p in tied.named_parameters() if p.grad is not None},
+            "shared": pipe.shared.ranks}

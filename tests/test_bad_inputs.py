@@ -86,17 +86,31 @@ def test_the_model_structure_is_its_parameter_names_and_shapes():
 
 # 3. Tensor-parallel widths, checked before DTensor sees them
 
-def test_a_width_the_plan_splits_must_be_divisible_by_tensor_parallel():
+def test_a_width_tensor_parallel_does_not_divide_is_refused_only_where_dtensor_would_not_split_it_exactly():
+    """An uneven Linear runs (on ranks: `test_on_two_ranks_..._an_uneven_tp_width_...`), unless its ColwiseParallel
+    hands a plain tensor to the next block: then the RowwiseParallel after it would rebuild a DTensor of the
+    wrong global shape, and the message says so."""
     colwise, rowwise = tp_plans._styles()
     block = nn.Sequential(nn.Linear(16, 15), nn.GELU())
-    with pytest.raises(ValueError, match=r"block 3 \(stage 1\): tensor_parallel=2 must divide the 15 output "
-                                         "features of its Linear 0, which ColwiseParallel splits"):
+    with pytest.raises(ValueError) as caught:
         tp_plans.check(block, {"0": colwise()}, 2, "block 3 (stage 1)")
+    assert str(caught.value) == (
+        "block 3 (stage 1): tensor_parallel=2 does not divide the 15 output features of its Linear 0, and its "
+        "ColwiseParallel hands on each rank's share as a plain tensor (use_local_output=True): the RowwiseParallel "
+        "after it rebuilds the DTensor as if every share held 15 / 2 features (DTensor.from_local without the "
+        "global shape), and fails; pass ColwiseParallel(use_local_output=False) (pl.models' plans do), make them a "
+        "multiple of 2, or leave the block replicated (its plan None)")
+    tp_plans.check(block, {"0": colwise(use_local_output=False)}, 2, "block 3 (stage 1)")  # a DTensor goes on
     tp_plans.check(block, {"0": colwise()}, 3, "block 3 (stage 1)")  # 15 = 3 x 5
-    with pytest.raises(ValueError, match="the 15 input features of its Linear, which RowwiseParallel"):
-        tp_plans.check(nn.Linear(15, 16), rowwise(), 2, "block 4 (stage 1)")
+    tp_plans.check(nn.Linear(15, 16), rowwise(), 2, "block 4 (stage 1)")  # its input: the DTensor above
+    default = tp_plans.default_plans([block, nn.Linear(15, 16)])
+    for b, plan in zip([block, nn.Linear(15, 16)], default):
+        tp_plans.check(b, plan, 2, "block 0 (stage 0)")  # pl.models' pairs: run unevenly
     with pytest.raises(ValueError, match="the 10 embedding dimensions of its Embedding emb,"):  # a pattern, as torch's
         tp_plans.check(nn.ModuleDict({"emb": nn.Embedding(8, 10)}), {"e*": colwise()}, 4, "block 0 (stage 0)")
+    gpt_block = pl.models.tiny_gpt(n_layers=1, d_model=12, n_heads=3)[1]
+    with pytest.raises(ValueError, match="tensor_parallel=2 must divide the block's 3 attention heads"):
+        tp_plans.check(gpt_block, tp_plans.transformer_block_plan(), 2, "block 1 (stage 0)")
     tp_plans.check(block, None, 2, "block 3 (stage 1)")  # replicated: nothing split
 
 
@@ -201,12 +215,19 @@ def test_a_parameter_free_stage_of_an_asynchronous_schedule_has_no_weights_to_st
 
 # The distributed engine: 2 gloo ranks
 
-def test_on_two_ranks_a_disagreement_and_a_tp_width_are_named_and_a_parameter_free_stage_is_exact():
+def test_on_two_ranks_a_disagreement_is_named_an_uneven_tp_width_is_exact_and_a_parameter_free_stage_too():
     per_rank = pl.distributed.launch(cases.mistakes_and_a_parameter_free_stage, 2, timeout_seconds=120)
     for found in per_rank:  # every rank gets the same message
         assert found["other m"].startswith("ValueError: ranks 0 and 1 disagree on n_microbatches: 4 vs 8")
-        assert found["tp width"].startswith("ValueError: block 0 (stage 0): tensor_parallel=2 must divide the "
-                                            "15 output features of its Linear 0, which ColwiseParallel splits")
+    # 15 hidden features over tensor_parallel=2: ranks hold 8 and 7 of them, and the step is the single device's
+    model = cases.uneven_tensor_parallel_model()
+    ref_loss, ref_grads = pl.single_device_gradients(model, *cases.batch(), nn.MSELoss())
+    for rank, found in enumerate(per_rank):
+        loss, grads, shards = found["tp width"]
+        assert shards["0.0.weight"] == ((8, 16) if rank == 0 else (7, 16)) and shards["1.weight"] == (16, 8 - rank)
+        assert loss == pytest.approx(ref_loss, rel=1e-6) and set(grads) == set(ref_grads)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, ref_grads[name], **TOLERANCE, msg=lambda e: f"rank {rank} {name}: {e}")
     model = cases.parameter_free_first_stage()
     x, y = cases.batch()
     ref_loss, ref_grads = pl.single_device_gradients(model, x, y, nn.MSELoss())

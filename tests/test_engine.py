@@ -232,6 +232,37 @@ def test_an_error_inside_a_stage_names_the_stage_its_blocks_the_action_and_what_
     assert "block 1 (Linear) computes in torch.float32" in str(caught.value)
 
 
+class ReturnsAPair(nn.Module):
+    """A block that returns (output, a summary): the next block's Linear gets a tuple."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.linear(x)
+        return y, y.sum(-1)
+
+
+@pytest.mark.parametrize("where, expected", [
+    (2, "block 2 (ReturnsAPair) returns a tuple of 2 (tensor (4, 8), tensor (4,)), but block 3 (Linear) expects one "
+        "tensor of 8 features in the last dimension: have block 2 return one tensor (e.g. its output[0]), or have "
+        "block 3 take the tuple apart"),  # inside stage 1
+    (1, "block 1, the last of stage 0, returns a tuple of 2 (tensor (4, 8), tensor (4,)), but block 2 (Linear) "
+        "expects one tensor of 8 features"),  # across the boundary: what stage 1 received
+])
+def test_a_block_that_returns_a_tuple_into_the_next_linear_is_named_with_what_the_next_expects(where, expected):
+    """Not linear()'s own TypeError alone ("must be Tensor, not tuple"): which block returned what, which expects what."""
+    blocks = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)]
+    blocks[where] = ReturnsAPair()
+    pipe = pl.Pipeline(nn.Sequential(*blocks), n_stages=2, n_microbatches=2, loss_fn=nn.MSELoss(), devices="cpu")
+    with pytest.raises(pl.PipelineError) as caught:
+        pipe.step(torch.randn(8, 8), torch.randn(8, 4))
+    text = str(caught.value)
+    assert text.startswith("F(stage 1, mb 0) failed on stage 1 (blocks 2..3): TypeError: linear(): argument 'input'")
+    assert f"\n  {expected}" in text, text
+
+
 def test_both_engines_take_every_option_and_their_own_placement_only():
     """An option exists in both engines or in neither: each engine's keywords are exactly the options' fields
     (`pl.PipelineOptions`) plus its own placement parameters, all keyword-only, the options in the same order,

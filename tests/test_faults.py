@@ -45,6 +45,19 @@ def test_a_stopped_rank_is_named_where_it_stopped_and_killed_soon_after_the_dead
     assert no_children_left() == []
 
 
+def test_a_rank_that_stops_beating_is_named_by_the_rank_left_waiting_in_a_collective():
+    """Each rank beats into the process group's store (`runtime/peers.py`); rank 0, whose step's batch check
+    times out (4 s), reads rank 1's heartbeat, unchanged, and names it as stalled, not as dead."""
+    begin = time.monotonic()
+    told = pl.distributed.launch(cases.hangs_before_a_step, 2, 7.0, timeout_seconds=60, wait_timeout_seconds=4)[0]
+    assert told.startswith("LostRankError: rank 0 lost rank 1 while waiting with the other ranks: rank 1 stopped "
+                           "responding "), told
+    assert "s ago (alive, not progressing: process " in told and "runs but does not beat" in told, told
+    assert "Timed out waiting 4000ms" in told
+    assert time.monotonic() - begin < 40
+    assert no_children_left() == []
+
+
 def test_a_rank_that_returns_early_is_named_with_the_steps_it_ran():
     with pytest.raises(pl.DistributedError) as caught:
         pl.distributed.launch(cases.returns_early, 2, 1, 3, timeout_seconds=60)
@@ -151,6 +164,30 @@ def test_ctrl_c_on_pipelab_run_stops_every_rank_and_says_so_in_one_line(tmp_path
         "pipelab run: interrupted: ranks 0-1 stopped", output[-3000:]
 
 
+def test_ctrl_c_on_torchrun_through_pipelabs_wrapper_says_interrupted_and_exits_130(tmp_path):
+    """torchrun's agent (torch's code) ends a Ctrl-C with a SignalException traceback and exit code 1; its main
+    run by `runtime/launcher/torchrun.py` says one line and exits 130, as `pipelab run` does."""
+    log = tmp_path / "log.txt"
+    process = start_training([sys.executable, "-m", "pipelab.runtime.launcher.torchrun", "--nproc-per-node", "2",
+                              "-m", "pipelab.launch", *SMALL, "--steps", "100000", "--out", str(tmp_path)], log)
+    ranks = [p for p in psutil.Process(process.pid).children(recursive=True)
+             if "pipelab.launch" in " ".join(p.cmdline())]
+    try:
+        process.send_signal(signal.SIGINT)  # what Ctrl-C sends torchrun
+        code = process.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while running(ranks) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert running(ranks) == []
+    finally:
+        for rank in running(ranks):
+            rank.kill()
+    output = log.read_text()
+    assert code == 130, output[-3000:]
+    assert "Traceback" not in output and "SignalException" not in output, output[-3000:]
+    assert output.rstrip("\n").split("\n")[-1] == "torchrun: interrupted: the ranks were stopped", output[-3000:]
+
+
 def test_killing_torchrun_with_sigkill_ends_its_ranks(tmp_path):
     """torchrun's agent cannot stop its ranks when it is SIGKILLed: each rank's parent-death signal does.
     (torchrun starts each rank in a session of its own: they are found as its children, before the kill.)"""
@@ -160,6 +197,34 @@ def test_killing_torchrun_with_sigkill_ends_its_ranks(tmp_path):
     ranks = [p for p in psutil.Process(process.pid).children(recursive=True)
              if "pipelab.launch" in " ".join(p.cmdline())]
     kill_and_check_the_ranks_end(process, ranks)
+
+
+def test_a_stopped_rank_under_torchrun_is_named_by_the_rank_left_waiting_within_the_timeout(tmp_path):
+    """SIGSTOP rank 1 of a torchrun run with --timeout-seconds 10: nothing watches the ranks there, so rank 0,
+    whose wait times out, reads rank 1's heartbeat in torchrun's store and says, within the timeout and a few
+    seconds, that rank 1 stopped responding: alive, its process stopped (not "died, or timed out").  torchrun
+    itself then waits 30 s before it kills the stopped rank: the test ends it once rank 0 has said so."""
+    log = tmp_path / "log.txt"
+    process = start_training([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "-m", "pipelab.launch", *SMALL, "--steps", "100000", "--timeout-seconds", "10",
+                              "--out", str(tmp_path)], log)
+    ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(process.pid).children(recursive=True)
+             if "pipelab.launch" in " ".join(p.cmdline())}
+    try:
+        ranks[1].send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        said = "rank 0 lost rank 1 while "
+        while said not in log.read_text() and time.monotonic() - stopped < 30:
+            time.sleep(0.2)
+        elapsed = time.monotonic() - stopped
+        output = log.read_text()
+    finally:
+        kill_and_check_the_ranks_end(process, list(ranks.values()))
+    line = next((line for line in output.splitlines() if said in line), output[-3000:])
+    assert elapsed < 10 + 5, (elapsed, line)
+    assert ": rank 1 stopped responding " in line and "s ago (alive, not progressing: process " in line, line
+    assert f"process {ranks[1].pid} on " in line and " is stopped, by SIGSTOP or a debugger" in line, line
+    assert "died, or timed out" not in line, line
 
 
 LAUNCHER = '''

@@ -77,6 +77,22 @@ def test_bad_arguments_are_named():
         pipe.generate(torch.zeros(2, 20, dtype=torch.long), 8)
 
 
+def test_a_token_outside_the_vocabulary_is_named_before_any_work():
+    """As `infer` names it (the embedding's check), not nn.Embedding's bare IndexError from inside a stage."""
+    gpt = model()
+    pipe = pl.Pipeline(gpt, n_stages=2, n_microbatches=2, loss_fn=pl.models.default_loss(gpt), devices="cpu")
+    for wrong, seen in ((50, "1..50"), (-1, "-1..7")):
+        prompts = torch.tensor([[1, 2, 3], [4, 5, 7]])
+        prompts[1, 0] = wrong
+        with pytest.raises(ValueError) as caught:
+            pipe.generate(prompts, 4)
+        assert str(caught.value) == (f"the prompts' token ids must lie in 0..49 (vocab_size 50), got {seen}: encode "
+                                     "them with the model's vocabulary, or build the model with a larger vocab_size")
+    with pytest.raises(pl.PipelineError, match=r"ValueError: token ids must lie in 0\.\.49 \(vocab_size 50\), got "
+                                               r"4\.\.50: encode them"):  # infer's: micro-batch 1's ids, in E
+        pipe.infer(torch.tensor([[1, 2, 3], [4, 5, 50]]))
+
+
 def generate_on_every_rank(cases):
     """On each rank: for (p-independent) cases (lanes, prompts seed), a DistributedPipeline's generation."""
     found = []

@@ -51,3 +51,16 @@ def test_links_follow_the_mesh_and_tensor_parallelism_across_nodes_loses():
     # 8 micro-batches · 16/4 layers · 4 all-reduces of 1 MB, each sending 2·3/4 of it; Ψ/16 all-reduced over 2
     assert sent["tp"] == pytest.approx(8 * 4 * 4 * 1.5 * 1e6)
     assert sent["dp"] == pytest.approx(8e9 / 16)
+
+
+def test_a_pipeline_message_under_tensor_parallelism_carries_a_over_t():
+    """Each of the t ranks of a stage sends its 1/t of the activation on the "pp" link (Megatron's scatter/gather):
+    p=2, t=2, m=1 with only the "pp" link slow: F, message, F, B, message, B, each message (A/t)/bandwidth.
+
+    Planted bug it catches: `hybrid_costs.predict` giving the simulator the whole activation
+    (`activation_bytes=model.activation_bytes`, not `/ t`): the messages take twice as long."""
+    links = {**FREE, "pp": Link(0.0, 1e9)}
+    forward, backward = 8.0 / (2 * 2), 16.0 / (2 * 2)  # each stage's share, split over t
+    message = (1e6 / 2) / 1e9
+    found = predict(pl.Layout(pp=2, tp=2), MODEL, links, 1)
+    assert found.step_seconds == pytest.approx(2 * forward + 2 * backward + 2 * message, rel=1e-9)

@@ -6,9 +6,10 @@ from collections import OrderedDict, namedtuple
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+import pipelab as pl
 from pipelab import microbatch
 
 Pair = namedtuple("Pair", "x y")
@@ -161,12 +162,27 @@ def flatten(batch):
     return []
 
 
+def has_list_without_tensor(batch):
+    """A list or tuple (not a namedtuple) holding no tensor: `split` refuses it."""
+    if isinstance(batch, dict):
+        return any(has_list_without_tensor(v) for v in batch.values())
+    if isinstance(batch, (list, tuple)):
+        own = not isinstance(batch, Pair) and not has_tensor(batch)
+        return own or any(has_list_without_tensor(v) for v in batch)
+    return False
+
+
 @settings(max_examples=60, deadline=None)
 @given(spec=structures(leaves), batch_size=st.integers(1, 9), data=st.data())
+@example(spec={"x": ("tensor", 2), "labels": [("leaf", 3), ("leaf", 3)]}, batch_size=2, data=None)
 def test_any_nesting_round_trips(spec, batch_size, data):
     batch = build(spec, batch_size, [0])
     if not has_tensor(batch):
         with pytest.raises(ValueError, match="no tensor"):
+            microbatch.split(batch, 1)
+        return
+    if has_list_without_tensor(batch):  # never handed whole to every micro-batch
+        with pytest.raises(TypeError, match="holds no tensor: micro-batches are cut from tensors"):
             microbatch.split(batch, 1)
         return
     n = data.draw(st.integers(1, batch_size))
@@ -216,6 +232,24 @@ def test_no_tensor_in_the_batch():
     for batch in [{"a": 1, "b": [None, "x"]}, [], 3.0]:
         with pytest.raises(ValueError, match="no tensor"):
             microbatch.split(batch, 1)
+
+
+@pytest.mark.parametrize("value, kind", [([1, 0, 1, 1], "list of 4 values (int)"),
+                                         (("a", "b", "c", "d"), "tuple of 4 values (str)"),
+                                         ([[1, 2], [3], [4], [5]], "list of 4 values (list)")])
+def test_a_list_without_a_tensor_is_refused_naming_its_key_and_type_never_copied_whole(value, kind):
+    """Labels or texts as a Python list would otherwise reach every micro-batch whole (4 labels for 2 samples)."""
+    batch = {"input_ids": torch.zeros(4, 3, dtype=torch.long), "labels": value}
+    with pytest.raises(TypeError) as caught:
+        microbatch.split(batch, 2)
+    assert str(caught.value) == (f"batch['labels'] is a {kind} and holds no tensor: micro-batches are cut from "
+                                 f"tensors (along dimension 0), and each would get the whole {type(value).__name__}; "
+                                 "make it a tensor (torch.tensor(...) of its numbers, text tokenized first), or leave "
+                                 "it out of the batch")
+    model = pl.models.mlp(depth=2, width=3)
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, loss_fn=torch.nn.MSELoss(), devices="cpu")
+    with pytest.raises(TypeError, match=r"^batch\['labels'\] is a "):  # the engine's cut says the same
+        pipe.step({"x": torch.zeros(4, 3), "labels": value}, torch.zeros(4, 3))
 
 
 def test_zero_dim_tensor_is_named():

@@ -83,6 +83,26 @@ def test_updates_every_k_backwards_equal_the_sequential_stale_weight_reference(k
     assert [w.stash.peak_versions for w in pipe.workers.values()] == pl.pipedream.versions_in_flight(pipe.schedule)
 
 
+def test_update_every_zero_with_a_pipedream_optimizer_gets_pipedreams_message_not_the_synchronous_one():
+    """The count is PipeDream's (updates every k-th backward): its error says so, and what 1 means."""
+    model = make("mlp")
+    for value, error in ((0, ValueError), (-2, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error) as caught:
+            pl.Pipeline(model, n_stages=2, n_microbatches=4, loss_fn=torch.nn.MSELoss(), devices="cpu",
+                        schedule=pl.schedules.pipedream_async(2, 4, update_every=value), optimizer=momentum_sgd)
+        assert str(caught.value) == ("update_every (PipeDream's asynchronous schedule: each stage updates its weights "
+                                     "after every update_every-th backward) must be a positive int, 1 for an update "
+                                     f"after every backward; got {type(value).__name__} {value!r}")
+    with pytest.raises(ValueError, match="update_every"):
+        pl.pipedream.weight_versions(pl.schedules.pipedream_async(2, 4), update_every=0)
+    # a synchronous schedule given a count and an optimizer: the synchronous message, naming both and PipeDream's way
+    synchronous = pl.Schedule(2, 4, pl.schedules.one_f_one_b(2, 4).actions, update_every=2)
+    with pytest.raises(ValueError, match=r"^optimizer= \(and its update_every=2\) is for asynchronous schedules "
+                                         r"\(pipedream-async\).*pl\.schedules\.pipedream_async\(p, m, update_every=k\)"):
+        pl.Pipeline(model, n_stages=2, n_microbatches=4, loss_fn=torch.nn.MSELoss(), devices="cpu",
+                    schedule=synchronous, optimizer=momentum_sgd)
+
+
 def test_the_optimizer_goes_with_asynchronous_schedules_only():
     model = make("mlp")
     with pytest.raises(TypeError, match="pass optimizer="):

@@ -130,6 +130,25 @@ def test_plan_properties(kwargs):
                                                  + row.memory.activations)
 
 
+def test_the_pipeline_message_under_tensor_parallelism_is_a_over_t_then_the_gather():
+    """A stage boundary under tensor parallelism t (Megatron's scatter/gather, Narayanan et al. SC21 §4.1): each
+    rank sends its 1/t of the activation A = b·s·h·2 bytes on the "pp" link, then the t ranks all-gather it:
+    message = lat_pp + (A/t)/bw_pp + (t−1)/t·A/bw_tp + (t−1)·lat_tp, and a step sends 2·m·v of them (F and B).
+    Worked by hand for b=1, s=1024, h=768 (A = 1.57 MB), t=2, m=8, v=1, every link inside one node.
+
+    Planted bug it catches: `planner._row`'s message carrying the whole activation on the "pp" link
+    (`boundary / links["pp"].bandwidth`, not `boundary / t / ...`)."""
+    latency, bandwidth = 1e-6, 1e10
+    found = plan(GPT2_SMALL, n_devices=4, devices_per_node=4, memory_bytes=1000 * GIB, global_batch=8,
+                 inside=(latency, bandwidth), between=INFINIBAND, peak_flops_per_second=312e12,
+                 micro_batch_sizes=(1,), schedules=("1f1b",), recompute=("none",))
+    row = next(r for r in found.rows if r.layout == pl.Layout(pp=2, tp=2))
+    activation = 1 * 1024 * 768 * 2
+    message = latency + activation / 2 / bandwidth + activation / 2 / bandwidth + latency
+    assert row.n_microbatches == 8
+    assert row.seconds["pp"] == pytest.approx(2 * 8 * message, rel=1e-12)
+
+
 def test_pure_data_parallelism_when_the_model_fits_and_links_are_fast():
     found = plan(GPT2_SMALL, n_devices=8, devices_per_node=8, memory_bytes=80 * GIB, global_batch=64,
                  inside=NVLINK, between=INFINIBAND, peak_flops_per_second=312e12)

@@ -141,3 +141,41 @@ def test_one_output_and_one_input_give_one_gradient_tensor():
     assert isinstance(grad_input, torch.Tensor) and torch.equal(grad_input, plain[0])
     pl.split_backward.backward_weight(work)
     assert all(torch.equal(w.grad, g) for w, g in zip(weights, plain[1:]))
+
+
+class Twice(nn.Module):
+    """One Linear applied twice (a weight-tied recurrence): its weight hangs off the input path at two nodes."""
+
+    def __init__(self, width: int = 8):
+        super().__init__()
+        self.linear = nn.Linear(width, width)
+
+    def forward(self, x):
+        return self.linear(torch.tanh(self.linear(x)))
+
+
+def test_a_linear_applied_twice_in_one_stage_gets_its_gradient_once_under_zero_bubble():
+    """W must add each weight's gradient once, though two boundary nodes reach it (their groups are merged).
+
+    Planted bugs it catches (each fails only this test): in `split_backward.backward_input`, keeping the groups a
+    new boundary node overlaps instead of replacing them by the merged one (`groups = groups + [merged]`): the
+    shared weight is then in two groups, and W adds its gradient twice; in `backward_weight`, dropping the
+    pre-hooks that give a boundary node below another exactly what I recorded there (`if len(members) > 1` made
+    never true): the lower node then also gets what flows down from the upper one, counted twice.  The suite's
+    other stages use each weight once, so their groups never merge."""
+    torch.manual_seed(0)
+    stage, x = Twice(), torch.randn(5, 8)
+    grad_output = torch.randn(5, 8)
+    want_input, want_weights = plain(stage, x.clone().requires_grad_(True), grad_output)
+    got_input, got_weights, _ = split_run(stage, x.clone().requires_grad_(True), grad_output)
+    torch.testing.assert_close(got_input, want_input, rtol=0, atol=0)
+    for got, want in zip(got_weights, want_weights):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    # and through the engine: ZB-H1 (I then W on every stage) against the single device
+    model = nn.Sequential(nn.Linear(8, 8), Twice(), Twice(), nn.Linear(8, 8))
+    inputs, targets = torch.randn(12, 8), torch.randn(12, 8)
+    _, reference = pl.single_device_gradients(model, inputs, targets, nn.MSELoss())
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=4, schedule="zb-h1", loss_fn=nn.MSELoss(), devices="cpu")
+    pipe.step(inputs, targets)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, reference[name], rtol=1e-5, atol=1e-6, msg=lambda e: f"{name}: {e}")

@@ -18,19 +18,26 @@ from torch import nn
 from .models import Embedding, LMHead, TransformerBlock
 
 
-def check_length(first_stage: nn.Module, prompt_length: int, new_tokens: int) -> None:
-    """Refuse, before any work, a generation whose last token would sit past the model's positions: the last new
-    token is made from position prompt_length + new_tokens − 2, the last one fed in."""
+def check_prompts(first_stage: nn.Module, prompts: torch.Tensor, new_tokens: int) -> None:
+    """Refuse, before any work, prompts with a token id outside the vocabulary, or a generation whose last token
+    would sit past the model's positions: the last new token is made from position prompt_length + new_tokens − 2,
+    the last one fed in."""
+    embedding = _embedding(first_stage)
+    embedding.check_vocabulary(prompts, "the prompts' token ids")
+    needed, positions = prompts.shape[1] + new_tokens - 1, embedding.position.num_embeddings
+    if needed > positions:
+        raise ValueError(f"generating {new_tokens} new tokens after prompts of {prompts.shape[1]} feeds {needed} "
+                         f"positions, past the model's seq_len ({positions} positions): at most "
+                         f"{positions - prompts.shape[1] + 1} new tokens")
+
+
+def _embedding(first_stage: nn.Module) -> Embedding:
     blocks = list(first_stage) if isinstance(first_stage, nn.Sequential) else [first_stage]
     embedding = next((b for b in blocks if isinstance(b, Embedding)), None)
     if embedding is None:
         raise TypeError("cached generation runs pl.models.tiny_gpt's blocks; its first stage has no "
                         f"{Embedding.__name__} (it starts with {type(blocks[0]).__name__ if blocks else 'nothing'})")
-    needed, positions = prompt_length + new_tokens - 1, embedding.position.num_embeddings
-    if needed > positions:
-        raise ValueError(f"generating {new_tokens} new tokens after prompts of {prompt_length} feeds {needed} "
-                         f"positions, past the model's seq_len ({positions} positions): at most "
-                         f"{positions - prompt_length + 1} new tokens")
+    return embedding
 
 
 def cached_forward(stage: nn.Module, x: torch.Tensor, cache: dict, start: int) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 A batch is a tensor or any nesting of tuples, lists and dicts whose tensor leaves share
 their first (batch) dimension.  Non-tensor leaves (flags, strings, None) are passed to
-every micro-batch unchanged.  When the batch size B does not divide by n, the sizes
+every micro-batch unchanged.  A list or tuple that holds no tensor (labels, texts: one value
+per sample, most likely) is refused, naming it: split, it would need a guess at what its
+length means; passed on, every micro-batch would get all of it.  When the batch size B does not divide by n, the sizes
 differ by at most one and the larger chunks come first (as `torch.tensor_split`):
 B = 10, n = 4 gives 3, 3, 2, 2.
 """
@@ -52,9 +54,27 @@ def split(batch: Any, n: int) -> list[Any]:
     if n < 1:
         raise ValueError(f"the number of micro-batches must be at least 1, got {n}")
     total = batch_size(batch)
+    _refuse_lists_without_tensors(batch)
     if n > total:
         raise ValueError(f"cannot split a batch of {total} samples into {n} micro-batches (at most {total})")
     return [_take(batch, i, n) for i in range(n)]
+
+
+def _refuse_lists_without_tensors(batch: Any, path: str = "batch") -> None:
+    """A TypeError naming the first list or tuple (not a namedtuple: a record, like a dict) that holds no tensor."""
+    if isinstance(batch, dict):
+        for key, value in batch.items():
+            _refuse_lists_without_tensors(value, f"{path}[{key!r}]")
+    elif isinstance(batch, (list, tuple)):
+        if not hasattr(batch, "_fields") and next(_tensor_leaves(batch), None) is None:
+            kinds = sorted({type(value).__name__ for value in batch})
+            held = f" ({', '.join(kinds)})" if kinds else ""
+            raise TypeError(f"{path} is a {type(batch).__name__} of {len(batch)} values{held} and holds no tensor: "
+                            "micro-batches are cut from tensors (along dimension 0), and each would get the whole "
+                            f"{type(batch).__name__}; make it a tensor (torch.tensor(...) of its numbers, text "
+                            "tokenized first), or leave it out of the batch")
+        for index, value in enumerate(batch):
+            _refuse_lists_without_tensors(value, f"{path}[{index}]")
 
 
 def _take(batch: Any, index: int, n: int) -> Any:

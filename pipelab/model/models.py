@@ -56,11 +56,17 @@ class Embedding(nn.Module):
             raise ValueError(f"tiny_gpt expects token ids shaped (batch, seq), got shape {tuple(ids.shape)}")
         if ids.shape[1] > self.position.num_embeddings:
             raise ValueError(f"the sequence has {ids.shape[1]} tokens but the model's seq_len is {self.position.num_embeddings}")
-        if ids.numel() and (ids.min() < 0 or ids.max() >= self.token.num_embeddings):
-            raise ValueError(f"token ids must lie in 0..{self.token.num_embeddings - 1} (vocab_size "
-                             f"{self.token.num_embeddings}), got {int(ids.min())}..{int(ids.max())}")
+        self.check_vocabulary(ids)
         positions = torch.arange(ids.shape[1], device=ids.device)
         return self.token(ids) + self.position(positions)
+
+    def check_vocabulary(self, ids: torch.Tensor, what: str = "token ids") -> None:
+        """A ValueError when an id lies outside the vocabulary (nn.Embedding would raise a bare IndexError)."""
+        vocab = self.token.num_embeddings
+        if ids.numel() and (ids.min() < 0 or ids.max() >= vocab):
+            raise ValueError(f"{what} must lie in 0..{vocab - 1} (vocab_size {vocab}), got {int(ids.min())}.."
+                             f"{int(ids.max())}: encode them with the model's vocabulary, or build the model with "
+                             "a larger vocab_size")
 
 
 class TransformerBlock(nn.Module):

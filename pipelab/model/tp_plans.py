@@ -51,8 +51,14 @@ def _linear_plan(block: nn.Module, style) -> Any:
 
 
 def default_plans(blocks: list[nn.Module]) -> list[Any]:
-    """The plans of one stage's blocks (in order), for pl.models' blocks; other blocks stay replicated."""
-    colwise, rowwise = _styles()
+    """The plans of one stage's blocks (in order), for pl.models' blocks; other blocks stay replicated.  A pair's
+    column-parallel half hands the row-parallel half a DTensor (`use_local_output=False`): it knows its global
+    shape, so a width tp does not divide is sharded unevenly, exactly (`check`)."""
+    colwise_local, rowwise = _styles()
+
+    def colwise():
+        return colwise_local(use_local_output=False)
+
     plans: list[Any] = [None] * len(blocks)
     k = 0
     while k < len(blocks):
@@ -99,9 +105,11 @@ def _planned(block: nn.Module, plan: Any) -> list[tuple[str, nn.Module, Any]]:
 
 
 def check(block: nn.Module, plan: Any, tp: int, where: str) -> None:
-    """Raise a ValueError, before DTensor sees the block, when `tensor_parallel=tp` does not divide a width its
-    plan splits: a column-parallel Linear's output features (an Embedding's dimensions), a row-parallel
-    Linear's input features (an Embedding's rows), a `TransformerBlock`'s heads."""
+    """Raise a ValueError, before DTensor sees the block, where `tensor_parallel=tp` does not divide a width its
+    plan splits and DTensor would not split it exactly: a `TransformerBlock`'s heads (each rank takes whole
+    heads), an Embedding's rows or dimensions, a column-parallel Linear's output features when it hands on a plain
+    tensor (`use_local_output=True`, ColwiseParallel's default; see below).  A Linear's features split unevenly
+    otherwise (ranks hold ⌈n/t⌉ or ⌊n/t⌋) give the single device's gradients (tests/test_bad_inputs.py)."""
     if plan is None or tp == 1:
         return
     colwise, rowwise = _styles()
@@ -110,12 +118,22 @@ def check(block: nn.Module, plan: Any, tp: int, where: str) -> None:
                          "heads (each rank takes whole heads)")
     for name, module, style in _planned(block, plan):
         split = _split_width(module, style, colwise, rowwise)
-        if split is not None and split[1] % tp:
-            what, width = split
-            label = f"{type(module).__name__} {name}" if name else type(module).__name__
-            raise ValueError(f"{where}: tensor_parallel={tp} must divide the {width} {what} of its {label}, which "
-                             f"{type(style).__name__} splits across the tensor-parallel ranks; make them a multiple "
-                             f"of {tp}, or leave the block replicated (its plan None)")
+        if split is None or split[1] % tp == 0:
+            continue
+        what, width = split
+        label = f"{type(module).__name__} {name}" if name else type(module).__name__
+        if isinstance(module, nn.Linear) and (isinstance(style, rowwise) or not style.use_local_output):
+            continue  # a DTensor in, or out: its global shape travels with it
+        if isinstance(module, nn.Linear):
+            raise ValueError(f"{where}: tensor_parallel={tp} does not divide the {width} output features of its "
+                             f"{label}, and its ColwiseParallel hands on each rank's share as a plain tensor "
+                             f"(use_local_output=True): the RowwiseParallel after it rebuilds the DTensor as if "
+                             f"every share held {width} / {tp} features (DTensor.from_local without the global "
+                             f"shape), and fails; pass ColwiseParallel(use_local_output=False) (pl.models' plans "
+                             f"do), make them a multiple of {tp}, or leave the block replicated (its plan None)")
+        raise ValueError(f"{where}: tensor_parallel={tp} must divide the {width} {what} of its {label}, which "
+                         f"{type(style).__name__} splits across the tensor-parallel ranks; make them a multiple "
+                         f"of {tp}, or leave the block replicated (its plan None)")
 
 
 def _split_width(module: nn.Module, style: Any, colwise, rowwise) -> tuple[str, int] | None:

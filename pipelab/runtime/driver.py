@@ -26,7 +26,7 @@ from ..model import loss_check, microbatch
 from ..model import stage as stage_ops
 from ..model.batch_norm import warn_if_batch_norm, warn_if_router_loss
 from ..model.finite import FiniteChecks
-from ..model.kv_cache import check_length
+from ..model.kv_cache import check_prompts
 from ..model.token_weights import counter_for, ignored_labels, token_counter
 from ..predict.budget import check_limit
 from ..predict.memory import checkpoint_plan
@@ -178,7 +178,7 @@ class StepDriver:
         self.placement.check_plain("generate")
         lanes = self.n_microbatches if lanes is None else lanes
         check_generation(prompts, new_tokens, lanes)
-        check_length(self.partition.stages[0], prompts.shape[1], new_tokens)
+        check_prompts(self.partition.stages[0], prompts, new_tokens)
         schedule = generation(self.n_stages, lanes, new_tokens, self.schedule.device_of_stage())
         groups = microbatch.split(prompts, lanes)
         with self.placement.context(), torch.no_grad():

@@ -107,7 +107,7 @@ class StepExchange:
             sends = [dist.isend(tensor, group=self.group, group_dst=peer, tag=self.tag)
                      for peer in range(self.world_size) if peer != self.rank]
         for peer, (_, work) in receives.items():
-            wait(work, self.rank, peer, "exchanging the step's trace")
+            wait(work, self.rank, peer, "exchanging the step's trace", self.group)
         for work in sends:
             wait(work, self.rank, None, "sending its part of the step's trace")
         return [tensor if peer == self.rank else receives[peer][0] for peer in range(self.world_size)]

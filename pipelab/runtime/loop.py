@@ -32,6 +32,7 @@ from ..model.kv_cache import cached_forward
 from ..schedules.action import Action, Kind
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
+from . import failure_hints as hints
 from .launcher import progress
 from .memory_observer import MemoryObserver
 from .weight_stash import WeightStash
@@ -103,7 +104,8 @@ class StageWorker:
         except PipelineError:
             raise
         except Exception as error:
-            arrived = (self.inputs[action.microbatch] if self.is_first else message) if action.kind is Kind.F else None
+            forward = action.kind in (Kind.F, Kind.E)
+            arrived = (self.inputs[action.microbatch] if self.is_first else message) if forward else None
             raise failure(error, self.explain(action, arrived, error)) from error
 
     def _note(self, value: Any, why: str) -> None:
@@ -227,16 +229,20 @@ class StageWorker:
 
     def explain(self, action: Action, arrived: Any, error: Exception) -> str:
         """Where it failed (stage, blocks, action, rank) and the original message, plus a hint when the
-        input `arrived` at a forward does not fit the stage's first block."""
+        input `arrived` at a forward does not fit the stage's first block, or a block hands the next one a tuple
+        (`failure_hints.py`)."""
         first, last = self.bounds
         span = (f"modules {self.module.first_module} .. {self.module.last_module}"  # a split by names
                 if hasattr(self.module, "first_module") else f"blocks {first}..{last - 1}")
         where = f"{action.describe()} failed on stage {self.index} ({span}"
         where += f", rank {self.rank})" if self.rank is not None else ")"
         text = f"{where}: {type(error).__name__}: {error}"
-        if action.kind is Kind.F:
-            hint = (_output_hint(arrived, self.index)
-                    or _shape_hint(self.module, first, arrived, None if self.is_first else self.index - 1, self.index))
+        if action.kind in (Kind.F, Kind.E):
+            origin = None if self.is_first else self.index - 1
+            hint = (hints.output_hint(arrived, self.index)
+                    or hints.shape_hint(self.module, first, arrived, origin, self.index)
+                    or (isinstance(error, TypeError)
+                        and hints.non_tensor_hint(self.module, first, to_device(arrived, self.device), origin)))
             if hint:
                 text += f"\n  {hint}"
         return text
@@ -244,37 +250,6 @@ class StageWorker:
 
 def _loss_of(loss_fn: Callable, output: torch.Tensor, target: Any) -> torch.Tensor:
     return loss_fn(output, target)
-
-
-def _output_hint(arrived: Any, stage: int) -> str:
-    """When a stage received a model output (a `ModelOutput`) where its blocks expected a tensor: which field."""
-    fields = [name for name in ("logits", "last_hidden_state") if getattr(arrived, name, None) is not None]
-    if isinstance(arrived, torch.Tensor) or not fields:
-        return ""
-    return (f"stage {stage} received a {type(arrived).__name__}, not a tensor: have the previous stage return its "
-            + " or ".join(f".{name}" for name in fields))
-
-
-def _shape_hint(module: nn.Module, first_block: int, arrived: Any, from_stage: int | None, stage: int) -> str:
-    """Say what the stage's first block expected, when its first Linear or LayerNorm does not fit the input
-    (its feature size, or its dtype): only on a real mismatch, and only for a `Sequential` of blocks."""
-    if not isinstance(arrived, torch.Tensor) or arrived.dim() == 0 or not isinstance(module, nn.Sequential) \
-            or len(module) == 0:
-        return ""
-    block = module[0]
-    layer = next((m for m in block.modules() if isinstance(m, (nn.Linear, nn.LayerNorm))), None)
-    if layer is None:
-        return ""
-    expected = layer.in_features if isinstance(layer, nn.Linear) else layer.normalized_shape[-1]
-    origin = "the input batch" if from_stage is None else f"stage {from_stage}'s output"
-    got = f"stage {stage} received {origin} of shape {tuple(arrived.shape)} ({arrived.dtype}); "
-    if arrived.shape[-1] != expected:
-        return got + (f"block {first_block} ({type(block).__name__}) expects {expected} features "
-                      "in the last dimension")
-    weight = getattr(layer, "weight", None)
-    if weight is not None and arrived.dtype != weight.dtype:
-        return got + f"block {first_block} ({type(block).__name__}) computes in {weight.dtype}"
-    return ""
 
 
 class InProcessTransport:

@@ -31,6 +31,7 @@ from ..common.errors import LostRankError, PipelineError
 from ..schedules.action import Action
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
+from . import peers
 from .message_layout import MessageLayout, gradient_leaves
 
 MAX_TENSORS = 64  # tensors in one message
@@ -252,14 +253,17 @@ class PointToPointTransport:
         self.sends.clear()
 
     def _wait(self, work, peer: int | None, doing: str) -> None:
-        wait(work, self.rank, peer, doing)
+        wait(work, self.rank, peer, doing, self.group)
 
 
-def wait(work, rank: int, peer: int | None, doing: str) -> None:
-    """Wait for one send or receive of `rank`; a peer that died or timed out becomes a `LostRankError`."""
+def wait(work, rank: int, peer: int | None, doing: str, group=None) -> None:
+    """Wait for one send or receive of `rank` (ranks of `group`); a peer that died or timed out becomes a
+    `LostRankError` that says which, from the peer's heartbeat (`peers.py`): died, stopped responding
+    (alive, not progressing), or alive and waiting too."""
     try:
         work.wait()
     except RuntimeError as error:
         lost = f"rank {peer}" if peer is not None else "a rank"
-        raise LostRankError(f"rank {rank} lost {lost} while {doing} ({lost} died, or timed out): {error}",
-                            peer) from error
+        why = None if peer is None else peers.describe(dist.get_global_rank(group or dist.group.WORLD, peer), error)
+        said = f": {why}; " if why else f" ({lost} died, or timed out): "
+        raise LostRankError(f"rank {rank} lost {lost} while {doing}{said}{error}", peer) from error

@@ -34,7 +34,7 @@ from ..predict.budget import check_memory_budget
 from ..predict.layout import Layout
 from ..schedules.action import Action
 from ..schedules.schedule import Schedule
-from . import clipping, comm_count, fingerprint
+from . import clipping, comm_count, fingerprint, peers
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .exchange import StepExchange, StepRecord
@@ -69,12 +69,14 @@ class RankPlacement:
         self._transports: dict[int, tuple[Schedule, Any, PointToPointTransport, StepExchange | None]] = {}
 
     # -- building -------------------------------------------------------------------------------
-    def context(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def context(self):
         """Where this rank's work runs: its intra-op threads on a CPU, its GPU as the current device on CUDA
-        (NCCL's calls use it); both restored on exit, so the caller's settings are never changed for good."""
-        if self.device.type == "cuda":
-            return torch.cuda.device(self.device)
-        return intra_op_threads(self.threads)
+        (NCCL's calls use it); both restored on exit, so the caller's settings are never changed for good.  A
+        collective that times out because a rank stalled names that rank (`peers.naming_the_stalled`)."""
+        where = torch.cuda.device(self.device) if self.device.type == "cuda" else intra_op_threads(self.threads)
+        with where, peers.naming_the_stalled(dist.get_rank() if dist.is_initialized() else 0):
+            yield
 
     def resolve_schedule(self, n_microbatches: int | None = None) -> Schedule:
         """The options' schedule for this placement (for `n_microbatches`, default the options')."""
@@ -93,6 +95,7 @@ class RankPlacement:
             self.hybrid = HybridMesh.build(self.layout, dist.get_backend())
             self.group = self.hybrid.group("pp")
         self.group = self.group if self.group is not None else dist.group.WORLD
+        peers.start()  # a heartbeat the other ranks read, to name this one if it stalls (peers.py)
         self.rank, self.world_size = dist.get_rank(self.group), dist.get_world_size(self.group)
         self.schedule, self.n_stages = schedule, schedule.n_stages
         self.partition = partition = self._partition(model, schedule)

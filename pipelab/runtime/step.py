@@ -146,8 +146,11 @@ def make_workers(schedule: Schedule, partition: Partition, stages: list[int], op
     target shapes are checked where it is taken (`model/loss_check.py`)."""
     optimizer = options.optimizer
     if not schedule.asynchronous and optimizer is not None:
-        raise ValueError("optimizer= is for asynchronous schedules (pipedream-async), whose stages update "
-                         "during the step; with this schedule, step your optimizer after pipe.step()")
+        every = f" (and its update_every={schedule.update_every})" if schedule.update_every != 1 else ""
+        raise ValueError(f"optimizer={every} is for asynchronous schedules (pipedream-async), whose stages update "
+                         f"during the step, but the schedule {schedule.name!r} is synchronous: for PipeDream pass "
+                         "schedule=pl.schedules.pipedream_async(p, m, update_every=k); with this schedule, step your "
+                         "optimizer after pipe.step()")
     if schedule.asynchronous and (optimizer is None or not callable(optimizer)):
         raise TypeError("an asynchronous schedule updates each stage's weights during the step: pass "
                         "optimizer=<callable(params) -> torch.optim.Optimizer>, e.g. lambda ps: torch.optim.SGD(ps, lr=0.1)")

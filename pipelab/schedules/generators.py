@@ -9,6 +9,7 @@ from __future__ import annotations
 from ..common.checks import check_counts
 from .action import Action, Kind
 from .beyond import zero_bubble_h1
+from .pipedream import check_update_every
 from .schedule import Schedule
 
 
@@ -93,7 +94,7 @@ def pipedream_async(n_stages: int, n_microbatches: int, update_every: int = 1) -
         device 2 | .  .  F0 F1 .  B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 .  B7 .  .
         device 3 | .  .  .  F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7 .  .  .
     """
-    check_counts(update_every=update_every)
+    check_update_every(update_every)
     table = one_f_one_b(n_stages, n_microbatches)
     return Schedule(n_stages, n_microbatches, table.actions, name="pipedream-async", asynchronous=True,
                     update_every=update_every)

@@ -13,15 +13,23 @@ hold fewer; m >= 2 w + 1 is enough for stage s to reach p - s.
 
 from __future__ import annotations
 
-from ..common.checks import check_counts
 from .action import Action, Kind
 from .schedule import Schedule
 
 
+def check_update_every(update_every) -> int:
+    """`update_every`, the backwards between two weight updates of a stage, is a positive int (1: an update after
+    every backward); anything else is a TypeError or ValueError saying so."""
+    if isinstance(update_every, bool) or not isinstance(update_every, int) or update_every < 1:
+        error = ValueError if isinstance(update_every, int) and not isinstance(update_every, bool) else TypeError
+        raise error(f"update_every (PipeDream's asynchronous schedule: each stage updates its weights after every "
+                    f"update_every-th backward) must be a positive int, 1 for an update after every backward; got "
+                    f"{type(update_every).__name__} {update_every!r}")
+    return update_every
+
+
 def _update_every(schedule: Schedule, update_every: int | None) -> int:
-    every = schedule.update_every if update_every is None else update_every
-    check_counts(update_every=every)
-    return every
+    return check_update_every(schedule.update_every if update_every is None else update_every)
 
 
 def weight_versions(schedule: Schedule, update_every: int | None = None) -> dict[Action, int]:

@@ -72,6 +72,11 @@ class CheckpointError(PipelineError):
     damaged, it exists already, or the file system failed (the cause first in the message, and as `__cause__`)."""
 
 
+class CheckpointMismatchError(CheckpointError):
+    """A whole checkpoint that does not fit what it is loaded into: another model (a name or a shape), another
+    optimizer, or extra state it was saved without.  Not damage: setting it aside would not help."""
+
+
 def save(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None,
          overwrite: bool = False, extra: dict[str, Any] | None = None) -> None:
     """Write this rank's share of the model (and of `optimizer`'s state) to the checkpoint directory `path`.
@@ -170,8 +175,8 @@ def _load(model: nn.Module, path, optimizer, group, extra: dict | None = None) -
     if extra is not None:
         missing = [key for key in extra if f"extra.{key}" not in saved]
         if missing:
-            raise CheckpointError(f"the checkpoint at {path} holds no {missing[0]!r} among its extra state (it was "
-                                  "saved without it: by another version, or not by a training run)")
+            raise CheckpointMismatchError(f"the checkpoint at {path} holds no {missing[0]!r} among its extra state "
+                                          "(it was saved without it: by another version, or not by a training run)")
         state["extra"] = extra
     reader = (_dcp().FileSystemReader(path) if manifest is None else
               checkpoint_manifest.verifying_reader(path, manifest, metadata))
@@ -327,19 +332,22 @@ def _owned(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _check_model(model: nn.Module, saved: dict, path) -> None:
+    """Every tensor of the model, by name and shape, in the checkpoint (else a `CheckpointMismatchError` saying
+    what differs, and what to do: build the model it was saved from)."""
     expected = _state(model)  # the meta tensors too: every rank knows every name and shape
+    fix = "build the model it was saved from (the same blocks and widths), or load another checkpoint"
     missing = [name for name in expected if f"model.{name}" not in saved]
     if missing:
         mine = sum(expected[name].device.type != "meta" for name in missing)
-        raise CheckpointError(f"the checkpoint at {path} has no '{missing[0]}' ({len(missing)} of the model's "
-                              f"{len(expected)} tensors are missing, {mine} of them held by this process). "
-                              "Was it saved from another model?")
+        raise CheckpointMismatchError(f"the checkpoint at {path} has no '{missing[0]}' ({len(missing)} of the "
+                                      f"model's {len(expected)} tensors are missing, {mine} of them held by this "
+                                      f"process): it was saved from another model; {fix}")
     for name, tensor in expected.items():
         entry = saved[f"model.{name}"]
         if not _is_tensor_entry(entry) or tuple(entry.size) != tuple(tensor.shape):
             found = f"shape {tuple(entry.size)}" if _is_tensor_entry(entry) else "no tensor"
-            raise CheckpointError(f"'{name}' has shape {tuple(tensor.shape)} in the model but {found} in the "
-                                  f"checkpoint at {path}: it was saved from another model")
+            raise CheckpointMismatchError(f"'{name}' has shape {tuple(tensor.shape)} in the model but {found} in the "
+                                          f"checkpoint at {path}: it was saved from another model; {fix}")
 
 
 # ---- the optimizer: state keyed by parameter name -------------------------------------------------------
@@ -383,9 +391,9 @@ def _check_optimizer_class(optimizer, manifest: dict | None, path) -> None:
         return  # (saved without an optimizer: `_empty_optimizer_state` says so)
     was, here = manifest["optimizer"], _class_name(optimizer)
     if was != here:
-        raise CheckpointError(f"the checkpoint at {path} holds the state of {_a(was)} optimizer ({was}), not of "
-                              f"{_a(here)} ({here}): build the optimizer it was saved with (the saved "
-                              "hyper-parameters replace its own), or load without optimizer=")
+        raise CheckpointMismatchError(f"the checkpoint at {path} holds the state of {_a(was)} optimizer ({was}), "
+                                      f"not of {_a(here)} ({here}): build the optimizer it was saved with (the "
+                                      "saved hyper-parameters replace its own), or load without optimizer=")
 
 
 def _a(class_name: str) -> str:
@@ -402,23 +410,24 @@ def _empty_optimizer_state(model: nn.Module, optimizer, saved: dict, path) -> di
     refused before anything is read.  A parameter saved without state (never stepped) loads none."""
     saved_by_name = _by_name(key[len("optim."):] for key in saved if key.startswith("optim."))
     if not saved_by_name:
-        raise CheckpointError(f"the checkpoint at {path} holds no optimizer state (saved without optimizer=); "
-                              "load it without an optimizer")
+        raise CheckpointMismatchError(f"the checkpoint at {path} holds no optimizer state (saved without "
+                                      "optimizer=); load it without an optimizer")
     expected = _state_keys(model, optimizer)
     wanted = {}
     for _group, names in _names(model, optimizer):
         for name in names:
             if ("param_groups", name) not in saved_by_name:
-                raise CheckpointError(f"the checkpoint at {path} has no optimizer state for {name}: was that "
-                                      "parameter left out of the optimizer when it was saved?")
+                raise CheckpointMismatchError(f"the checkpoint at {path} has no optimizer state for {name}: was "
+                                              "that parameter left out of the optimizer when it was saved?")
             was = sorted(key.rpartition(".")[2] for key in saved_by_name.get(("state", name), []))
             keeps = expected[name]
             if keeps is None:  # (an optimizer that could not be asked: the saved keys, as they are)
                 keeps = was
             elif was and was != keeps:
-                raise CheckpointError(f"the checkpoint at {path} holds the optimizer state {was} for {name}, but "
-                                      f"this {type(optimizer).__name__} keeps {keeps}: it was saved from another "
-                                      "optimizer (or with other options); build the optimizer it was saved with")
+                raise CheckpointMismatchError(f"the checkpoint at {path} holds the optimizer state {was} for {name}, "
+                                              f"but this {type(optimizer).__name__} keeps {keeps}: it was saved from "
+                                              "another optimizer (or with other options); build the optimizer it was "
+                                              "saved with")
             state_keys = [f"state.{name}.{key}" for key in keeps] if was else []
             for key in saved_by_name[("param_groups", name)] + state_keys:
                 entry = saved[f"optim.{key}"]

@@ -10,7 +10,9 @@ complete, its files checksummed in its manifest).  A newest checkpoint that does
 truncated or damaged since: `CheckpointError`) is set aside as `step-000012.damaged-<id>` with a
 warning naming what is wrong, and the one before it is read instead: a run killed while its disk
 failed goes on from the last good state rather than failing at every restart.  On ranks, every rank
-makes the same choice (the load fails on all of them alike: `checkpoint.py`).
+makes the same choice (the load fails on all of them alike: `checkpoint.py`).  A folder whose checkpoints
+were all set aside (nothing intact) is an error naming the folder, never a silent start from scratch; so is a
+whole checkpoint of another model or optimizer (`CheckpointMismatchError`: not set aside, it is not damaged).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from .checkpoint import CheckpointError
+from .checkpoint import CheckpointError, CheckpointMismatchError
 
 NAME = re.compile(r"^step-(\d{6})$")
+DAMAGED = re.compile(r"^step-(\d{6})\.damaged-")
 KEEP = 2
 
 
@@ -46,15 +49,26 @@ class CheckpointFolder:
 
     def resume(self, pipe, optimizer, extra: dict | None = None) -> int:
         """Load the newest checkpoint that loads into `pipe`, `optimizer` and `extra`; the steps it holds (0:
-        none).  A damaged one is set aside, with a warning, and the one before it read."""
+        none).  A damaged one is set aside, with a warning, and the one before it read; none intact (all set
+        aside) or one of another model is a `CheckpointError` naming the folder and what to do."""
         while True:
-            found = self._agreed_newest(pipe)
+            found, damaged = self._agreed_newest(pipe)
             if found is None:
+                if damaged:
+                    raise CheckpointError(
+                        f"no checkpoint in {self.folder} is intact: {', '.join(damaged)} did not load and were set "
+                        "aside (the warnings said why); move an intact checkpoint there as step-NNNNNN to resume "
+                        "from it, or delete the set-aside ones (or give another folder) to start the run afresh")
                 return 0
             steps, path = found
             try:
                 pipe.load_checkpoint(path, optimizer, extra=extra)
                 return steps
+            except CheckpointMismatchError as error:
+                raise CheckpointMismatchError(
+                    f"cannot resume from the checkpoints in {self.folder}: {error}. It is whole, not set aside: "
+                    "resume with the model and optimizer it was saved from, or give another folder (or empty this "
+                    "one) to start afresh") from error
             except CheckpointError as error:
                 self._set_aside(pipe, path, error)
 
@@ -68,9 +82,13 @@ class CheckpointFolder:
                 shutil.rmtree(old, ignore_errors=True)
         return path
 
-    def _agreed_newest(self, pipe) -> tuple[int, Path] | None:
-        """The newest checkpoint, as rank 0 sees it (every rank then reads the same one)."""
-        found = [self.newest() if _lead(pipe) else None]
+    def damaged(self) -> list[str]:
+        """The names of the checkpoints set aside as damaged, oldest first."""
+        return sorted(p.name for p in self.folder.glob("step-*") if DAMAGED.match(p.name))
+
+    def _agreed_newest(self, pipe) -> tuple[tuple[int, Path] | None, list[str]]:
+        """The newest checkpoint and the damaged ones, as rank 0 sees them (every rank then reads the same)."""
+        found = [(self.newest(), self.damaged()) if _lead(pipe) else None]
         if pipe.group is not None:
             dist.broadcast_object_list(found, group=pipe.group, group_src=0)
         return found[0]

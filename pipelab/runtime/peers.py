@@ -1,0 +1,161 @@
+"""Each rank's heartbeat where the other ranks read it, so that a rank left waiting names the one that stalled.
+
+    peers.start()                  # every rank, once its process group is up (a DistributedPipeline does it)
+    peers.describe(1, error)       # after a wait for rank 1 failed: why, in words (p2p.wait)
+    with peers.naming_the_stalled(rank): ...   # a collective's timeout names the ranks that stalled
+
+`pl.distributed.launch` watches its ranks from the launcher (`launcher/progress.py`, `processes.py`); under
+torchrun nothing does, and a rank stopped by SIGSTOP, or hung holding Python's GIL, leaves the
+others waiting until gloo's timeout says "Timed out waiting" and no more.  So every rank beats
+into the process group's store (torchrun's c10d store, held by its agent: every host reads it):
+a thread sets `pipelab/beat/<global rank>` to "<unix time> <pid> <host>" every `BEAT_SECONDS`,
+through a client of its own (`Store.clone`).  A rank whose wait failed reads the peer's key,
+then again `WATCH_SECONDS` later:
+
+- the connection was closed or reset: the peer died;
+- the key did not change: the peer stopped responding; on the same host its process tells
+  how (`/proc/<pid>/stat`: T is stopped, by SIGSTOP or a debugger; running is hung; gone is
+  dead); on another host it may also be cut off;
+- the key changed: the peer is alive and beating, so it waits too (a deadlock), or its work
+  takes longer than the timeout.
+
+"N s ago" compares the peer's clock with this rank's: across hosts, as good as their clocks agree.
+
+Details: docs/distributed.md, "When a rank fails".
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from ..common.errors import LostRankError, PipelineError
+
+BEAT_SECONDS = 0.5
+WATCH_SECONDS = 3 * BEAT_SECONDS  # a heartbeat unchanged for this long has stopped
+READ_SECONDS = 2.0  # a store that does not answer within this is said so, not waited for
+_KEY = "pipelab/beat/{rank}"
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words
+_TIMED_OUT = "Timed out waiting"  # gloo's, when a wait outlasts the process group's timeout
+
+_beating: dict = {}  # "store": the store it beats into, "stop": its Event
+
+
+def start() -> bool:
+    """Beat into the default process group's store from a daemon thread, once per process group (a new group
+    stops the old beat).  False where there is nothing to beat into (no group, one rank, a store without
+    clients of its own)."""
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        return False
+    try:
+        store = dist.distributed_c10d._get_default_store()  # private, as torch's own elastic code uses it
+        if _beating.get("store") is store:
+            return True
+        client = store.clone()
+        client.set_timeout(timedelta(seconds=READ_SECONDS))
+    except Exception:  # a store that cannot make a client of its own: no heartbeat, errors say what gloo says
+        return False
+    if "stop" in _beating:
+        _beating["stop"].set()
+    stop, key = threading.Event(), _KEY.format(rank=dist.get_rank())
+    value = f"{{:.3f}} {os.getpid()} {socket.gethostname()}"
+
+    def beat():
+        while True:
+            try:
+                client.set(key, value.format(time.time()))
+            except Exception:  # the group was destroyed, its store closed: nothing left to tell
+                return
+            if stop.wait(BEAT_SECONDS):
+                return
+
+    _beating.update(store=store, stop=stop)
+    threading.Thread(target=beat, name="pipelab-peer-heartbeat", daemon=True).start()
+    return True
+
+
+def describe(rank: int, error: BaseException) -> str | None:
+    """Why the wait for global rank `rank` failed with `error`, from its heartbeat: "rank 1 died (...)", "rank 1
+    stopped responding 10.3 s ago (...)", "rank 1 is alive and beating (...)"; None when nothing is known (no
+    heartbeat: not started, or another store)."""
+    if any(sign in str(error) for sign in _PEER_GONE):
+        return f"rank {rank} died (its connection closed)"
+    found = _watch([rank])
+    return None if found is None else found[rank][0]
+
+
+@contextlib.contextmanager
+def naming_the_stalled(rank: int):
+    """Around a rank's collectives (a step's batch check, a gather): a gloo timeout becomes a `LostRankError`
+    naming the ranks that stopped responding, when some did (else it stays as it was)."""
+    try:
+        yield
+    except PipelineError:
+        raise
+    except RuntimeError as error:
+        if _TIMED_OUT not in str(error) or not dist.is_initialized():
+            raise
+        found = _watch([r for r in range(dist.get_world_size()) if r != rank]) or {}
+        stalled = {r: text for r, (text, stopped) in found.items() if stopped}
+        if not stalled:
+            raise
+        raise LostRankError(f"rank {rank} lost rank {min(stalled)} while waiting with the other ranks: "
+                            f"{'; '.join(stalled.values())}; {error}", min(stalled)) from error
+
+
+def _watch(ranks: list[int]) -> dict[int, tuple[str, bool]] | None:
+    """{rank: (what its heartbeat says, whether it stopped)}, from two readings `WATCH_SECONDS` apart; None without
+    a heartbeat here to read."""
+    if "store" not in _beating:
+        return None
+    try:
+        client = _beating["store"].clone()
+        client.set_timeout(timedelta(seconds=READ_SECONDS))
+        keys = {rank: _KEY.format(rank=rank) for rank in ranks}
+        never = [rank for rank, key in keys.items() if not client.check([key])]
+        first = {rank: client.get(key).decode() for rank, key in keys.items() if rank not in never}
+        time.sleep(WATCH_SECONDS)
+        last = {rank: client.get(keys[rank]).decode() for rank in first}
+    except Exception as failure:  # the store itself is gone or stopped
+        return {rank: (f"rank {rank}'s heartbeat could not be read ({type(failure).__name__}: {failure})", False)
+                for rank in ranks}
+    found = {rank: (f"rank {rank} never beat (it died as it started, or runs no DistributedPipeline)", False)
+             for rank in never}
+    for rank, value in last.items():
+        beat, pid, host = value.split(" ", 2)
+        where = f"process {pid} on {host}"
+        if value != first[rank]:
+            found[rank] = (f"rank {rank} is alive and beating ({where}): it waits too (a deadlock?), or its work "
+                           "takes longer than the timeout", False)
+        else:
+            found[rank] = (f"rank {rank} stopped responding {time.time() - float(beat):.1f} s ago "
+                           f"({_state(int(pid), host, where)})", True)
+    return found
+
+
+def _state(pid: int, host: str, where: str) -> str:
+    """What the stalled process is doing, when it runs on this host (else only that it does not beat)."""
+    if host != socket.gethostname():  # its process cannot be looked at from here, nor a cut link told apart
+        return f"its heartbeat stopped: stopped, hung, or cut off from this host; {where}"
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return f"{where} is gone: it died"
+        except PermissionError:
+            pass
+        return f"alive, not progressing: stopped or hung; {where}"
+    if state in ("T", "t"):
+        return f"alive, not progressing: {where} is stopped, by SIGSTOP or a debugger"
+    if state in ("Z", "X"):
+        return f"{where} is gone: it died"
+    return f"alive, not progressing: {where} runs but does not beat (hung, holding Python's GIL?)"
