@@ -166,9 +166,9 @@ def test_ctrl_c_on_pipelab_run_stops_every_rank_and_says_so_in_one_line(tmp_path
 
 def test_ctrl_c_on_torchrun_through_pipelabs_wrapper_says_interrupted_and_exits_130(tmp_path):
     """torchrun's agent (torch's code) ends a Ctrl-C with a SignalException traceback and exit code 1; its main
-    run by `runtime/launcher/torchrun.py` says one line and exits 130, as `pipelab run` does."""
+    run by `pipelab torchrun` (`runtime/launcher/torchrun.py`) says one line and exits 130, as `pipelab run` does."""
     log = tmp_path / "log.txt"
-    process = start_training([sys.executable, "-m", "pipelab.runtime.launcher.torchrun", "--nproc-per-node", "2",
+    process = start_training([sys.executable, "-m", "pipelab", "torchrun", "--nproc-per-node", "2",
                               "-m", "pipelab.launch", *SMALL, "--steps", "100000", "--out", str(tmp_path)], log)
     ranks = [p for p in psutil.Process(process.pid).children(recursive=True)
              if "pipelab.launch" in " ".join(p.cmdline())]

@@ -25,6 +25,7 @@ from ..course.grade import main as grade_main
 from ..predict.closed_forms import closed_form
 from ..predict.costs import Costs
 from ..predict.simulate import simulate as run_simulation
+from ..runtime.launcher import torchrun
 from ..runtime.launcher.processes import DistributedError, Interrupted, launch
 from ..schedules import by_name
 from ..schedules.action import Kind
@@ -62,6 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
                         add_help=False)
 
     commands.add_parser("grade", help="grade your exercises, task by task (pipelab grade --help)", add_help=False)
+    commands.add_parser("torchrun", help="torchrun with its own arguments (pipelab torchrun --nproc-per-node 2 -m "
+                                         "pipelab.launch ...); Ctrl-C says 'interrupted' and exits 130", add_help=False)
 
     planner = commands.add_parser("plan", help="rank every (dp, pp, tp) layout of a transformer on a cluster")
     add_plan_arguments(planner)
@@ -76,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
         return grade_main(argv[1:])
     if argv[:1] == ["lab"]:  # ... and after "lab" to jupyter lab (e.g. --no-browser --port 8899)
         return lab(argv[1:])
+    if argv[:1] == ["torchrun"]:  # ... and after "torchrun" to torch's torchrun (runtime/launcher/torchrun.py)
+        return torchrun.run(argv[1:])
     args = build_parser().parse_args(argv)
     if args.command == "run":
         return run(args)
