@@ -1,7 +1,8 @@
 """The corpus and the character-level model of lesson 13 and scripts/train_corpus.py (pipelab/course/corpus.py,
-char_lm.py): two texts from the standard library, the same under every Python 3.10+, a tokenizer that round-trips,
-windows of next-character targets; a few pipelined training steps equal one device's, and a fine-tune with the
-first stage frozen leaves that stage's parameters bit for bit while the loss on the second text falls."""
+char_lm.py, one_device.py), and lesson 12's padded loader (padding.py): two texts from the standard library, the
+same under every Python 3.10+, a tokenizer that round-trips, windows of next-character targets; a few pipelined
+training steps equal one device's, and a fine-tune with the first stage frozen leaves that stage's parameters bit
+for bit while the loss on the second text falls."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import pipelab as pl
-from pipelab.course import char_lm, corpus
+from pipelab.course import char_lm, corpus, one_device, padding
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "pipelab" / "course" / "corpus.py"
@@ -109,11 +110,11 @@ def test_pipelined_training_on_the_corpus_equals_one_device():
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     with pytest.warns(UserWarning, match="fewer than the pipeline's 4 micro-batches"):
         run = pl.train(pipe, batches, optimizer, epochs=1, clip=1.0, progress=False)
-    one = char_lm.train_one_device(reference, batches, torch.optim.AdamW(reference.parameters(), lr=3e-3), epochs=1,
-                                   clip=1.0, loss_fn=pl.models.lm_loss)
+    one = one_device.train(reference, batches, torch.optim.AdamW(reference.parameters(), lr=3e-3), epochs=1,
+                           clip=1.0, loss_fn=pl.models.lm_loss)
     assert len(run.losses) == len(one.losses) == 21
     assert run.losses == pytest.approx(one.losses, rel=1e-5)
-    assert char_lm.relative_gap(run.losses, one.losses) < 1e-5 and one.tokens == 123 * 16
+    assert one_device.relative_gap(run.losses, one.losses) < 1e-5 and one.tokens == 123 * 16
     for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
         if name.endswith("qkv.bias"):  # the key bias's gradient is 0 in exact arithmetic (softmax ignores a constant
             # added to a row of scores): AdamW scales its rounding noise up to a step of lr, either way; compare the rest
@@ -133,7 +134,7 @@ def test_a_fine_tune_with_the_first_stage_frozen_leaves_it_untouched_and_learns_
     zen = _loader(corpus.zen_text(), batch_size=16, stride=8)  # 105 windows
     trainable = [p for p in pipe.parameters() if p.requires_grad]
     run = pl.train(pipe, zen, torch.optim.AdamW(trainable, lr=1e-2), epochs=2, progress=False)
-    one = char_lm.train_one_device(reference, zen, torch.optim.AdamW(
+    one = one_device.train(reference, zen, torch.optim.AdamW(
         [p for p in reference.parameters() if p.requires_grad], lr=1e-2), epochs=2, loss_fn=pl.models.lm_loss)
     assert run.losses == pytest.approx(one.losses, rel=1e-5)
     assert all(torch.equal(p, kept[name]) and p.grad is None for name, p in first.named_parameters())
@@ -149,3 +150,38 @@ def test_continuations_are_what_follows_each_prompt_a_newline_shown():
     assert char_lm.continuations(tokenizer, tokens, 12) == [" better", "better "]
     tokens = char_lm.prompts_tensor(tokenizer, ["ab\ncd"])
     assert char_lm.continuations(tokenizer, tokens, 1) == ["b⏎cd"]
+
+
+def test_the_padded_loader_pads_each_batch_to_its_longest_row_and_labels_the_padding():
+    sequences = padding.random_sequences(22, vocab_size=50, lengths=(3, 9), seed=0)
+    assert len(sequences) == 22 and {len(s) for s in sequences} <= set(range(3, 10))
+    assert all(int(s.min()) >= 1 and int(s.max()) < 50 for s in sequences)
+    torch.manual_seed(0)
+    batches = list(padding.padded_loader(sequences, batch_size=6))
+    assert [len(b["input_ids"]) for b in batches] == [6, 6, 6, 4]
+    for batch in batches:
+        ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+        assert ids.shape == mask.shape == labels.shape and int(mask.sum(dim=1).max()) == ids.shape[1]
+        assert torch.equal(labels == -100, mask == 0) and torch.equal(ids[mask == 0], torch.zeros_like(ids[mask == 0]))
+    assert len({b["input_ids"].shape for b in batches}) > 2  # the shape changes from step to step
+    with pytest.raises(ValueError, match="lengths"):
+        padding.random_sequences(3, vocab_size=10, lengths=(5, 2))
+
+
+def test_one_device_train_takes_a_model_s_own_loss_and_stops_at_max_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+
+    class OwnLoss(torch.nn.Module):  # a model that computes its loss from labels in the batch, as Hugging Face's do
+        def __init__(self):
+            super().__init__()
+            self.inner = model
+
+        def forward(self, x, labels):
+            return type("Output", (), {"loss": torch.nn.functional.mse_loss(self.inner(x), labels)})()
+
+    batches = [{"x": torch.randn(4, 3), "labels": torch.randn(4, 1)} for _ in range(5)]
+    run = one_device.train(OwnLoss(), batches, torch.optim.SGD(model.parameters(), lr=0.1), epochs=2, max_steps=7)
+    assert len(run.losses) == 7 and run.tokens == 7 * 12 and run.tokens_per_second > 0
+    assert one_device.relative_gap([1.0, 2.0], [1.0, 2.0 + 2e-6]) < 1e-5
+    assert one_device.relative_gap([1.0], [1.0, 2.0]) == float("inf")

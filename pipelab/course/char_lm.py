@@ -1,4 +1,4 @@
-"""A character-level language model over `corpus.py`'s texts: the tokenizer, the data, one device's loop.
+"""A character-level language model over `corpus.py`'s texts: the tokenizer, the windows, the prompts.
 
     tokenizer = CharTokenizer()                          # 96 symbols: the newline and printable ASCII
     ids = tokenizer.encode(corpus_text())                # a LongTensor, one id per character
@@ -6,30 +6,20 @@
     batches = windows_loader(train_ids, seq_len=64, batch_size=32)   # shuffled (inputs, next-token targets)
     model = pl.models.tiny_gpt(vocab_size=tokenizer.vocab_size, seq_len=64, ...)
     pl.train(pipe, batches, optimizer, ...)              # pipelined
-    train_one_device(copy_of_model, batches, optimizer, ...)   # the same loop, plainly: the reference
+    one_device.train(copy_of_model, batches, optimizer, loss_fn=pl.models.lm_loss)   # the reference
+    pipe.generate(prompts_tensor(tokenizer, ["Beautiful is"]), 40)
 
 A window of `seq_len + 1` characters gives the inputs (its first `seq_len`) and the targets (its last `seq_len`):
 position t learns to predict character t + 1 (`pl.models.lm_loss`, the mean over every position).
-
-`train_one_device` is `pl.train`'s loop without a pipeline (runtime/training_run.py): the epoch seeded with
-`torch.manual_seed(seed + epoch)` before the loader is iterated, so a shuffled `DataLoader` gives both the same
-batches in the same order; zero the gradients, the loss, backward, clip, the optimizer's and the scheduler's
-steps.  It runs on one intra-op thread, as the engines time their ops.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import time
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..common.threads import intra_op_threads
-from ..runtime.training_run import as_step_arguments
 from .corpus import ALPHABET
 
 
@@ -109,64 +99,6 @@ def windows_loader(ids: torch.Tensor, seq_len: int, batch_size: int, stride: int
     return DataLoader(TextWindows(ids, seq_len, stride), batch_size=batch_size, shuffle=shuffle, drop_last=drop_last)
 
 
-@dataclasses.dataclass
-class OneDeviceRun:
-    """The losses of `train_one_device` (one per step, before its update) and its seconds."""
-
-    losses: list[float]
-    seconds: float
-    tokens: int  # input tokens seen (the batches' elements)
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
-
-
-def train_one_device(model: nn.Module, batches: Iterable, optimizer: torch.optim.Optimizer, *, epochs: int = 1,
-                     clip: float | None = None, scheduler: Any = None, seed: int | None = 0,
-                     max_steps: int | None = None, loss_fn: Callable | None = None,
-                     threads: int | None = 1) -> OneDeviceRun:
-    """`pl.train`'s loop on one device (module docstring): a batch is a dict (`model(**batch).loss`) or an
-    (inputs, targets) pair (`loss_fn(model(inputs), targets)`)."""
-    losses, tokens, begin = [], 0, time.perf_counter()
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    with intra_op_threads(threads):
-        for epoch in range(epochs):
-            if seed is not None:
-                torch.manual_seed(seed + epoch)
-            for batch in batches:
-                inputs, targets = as_step_arguments(batch)
-                optimizer.zero_grad(set_to_none=True)
-                if targets is None:
-                    loss = model(**inputs).loss
-                else:
-                    loss = (loss_fn or nn.MSELoss())(model(inputs), targets)
-                loss.backward()
-                if clip is not None:
-                    torch.nn.utils.clip_grad_norm_(parameters, clip)
-                optimizer.step()
-                if scheduler is not None:
-                    scheduler.step()
-                losses.append(float(loss.detach()))
-                tokens += _input_tokens(inputs)
-                if max_steps is not None and len(losses) >= max_steps:
-                    return OneDeviceRun(losses, time.perf_counter() - begin, tokens)
-    return OneDeviceRun(losses, time.perf_counter() - begin, tokens)
-
-
-def _input_tokens(inputs: Any) -> int:
-    if isinstance(inputs, dict):
-        inputs = inputs.get("input_ids", next(iter(inputs.values())))
-    return int(inputs.numel())
-
-
-def relative_gap(found: Sequence[float], expected: Sequence[float]) -> float:
-    """The largest |found − expected| / |expected| over two equally long loss curves (inf if their lengths differ)."""
-    if len(found) != len(expected) or not found:
-        return float("inf")
-    return max(abs(a - b) / abs(b) for a, b in zip(found, expected))
-
-
 def prompts_tensor(tokenizer: CharTokenizer, prompts: Sequence[str]) -> torch.Tensor:
     """Equally long prompts as a (len(prompts), length) tensor of ids (`pipe.generate` takes one length)."""
     lengths = {len(p) for p in prompts}
@@ -181,5 +113,4 @@ def continuations(tokenizer: CharTokenizer, tokens: torch.Tensor, prompt_length:
     return [text[prompt_length:].replace("\n", "⏎") for text in tokenizer.decode(tokens)]
 
 
-__all__ = ["CharTokenizer", "OneDeviceRun", "TextWindows", "continuations", "held_out_split", "prompts_tensor", "relative_gap",
-           "train_one_device", "windows_loader"]
+__all__ = ["CharTokenizer", "TextWindows", "continuations", "held_out_split", "prompts_tensor", "windows_loader"]
