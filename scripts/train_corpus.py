@@ -59,10 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=31, help="print the two losses every this many steps")
     parser.add_argument("--out", type=Path, default=Path("pipelab-out/corpus"))
     args = parser.parse_args(argv)
+    # every op of both runs on one thread, as the engine runs a stage's: pl.train's optimizer step and clipping run
+    # outside the engine, on PyTorch's default of a thread per core, which collapses on a busy CPU
+    torch.set_num_threads(1)
     tokenizer = char_lm.CharTokenizer()
     train_ids, held_ids = char_lm.held_out_split(tokenizer.encode(corpus_text()), 0.05)
     corpus = char_lm.windows_loader(train_ids, SEQ_LEN, BATCH, drop_last=True)
-    held_out = char_lm.windows_loader(held_ids, SEQ_LEN, BATCH, shuffle=False)
+    held_out = char_lm.windows_loader(held_ids, SEQ_LEN, BATCH, shuffle=False, drop_last=True)
     model = pl.models.tiny_gpt(n_layers=4, d_model=128, n_heads=4, vocab_size=tokenizer.vocab_size,
                                seq_len=SEQ_LEN, seed=0)
     print(f"corpus: {len(corpus_text()):,} characters ({len(train_ids):,} to train on, {len(held_ids):,} held out), "
@@ -106,12 +109,12 @@ def _side_by_side(pipe, reference, batches, held_out, epochs: int, args, phase: 
         reference_losses += one.losses
         last = run.last.trace
         held = "" if held_out is None else (
-            f"held-out loss pipelined {_held_out_loss(pipe, held_out):.4f}, one device "
+            f"held-out loss {_held_out_loss(pipe, held_out):.4f} / "
             f"{one_device.evaluate(reference, held_out, pl.models.lm_loss):.4f}; ")
-        print(f"  epoch {epoch + 1}: {len(run.losses)} steps; {held}tokens/s pipelined {one.tokens / run.seconds:,.0f} "
-              f"(its {args.stages} stages in this one process), one device {one.tokens_per_second:,.0f}; the last "
-              f"step's ops replayed on {args.stages} devices: {last.makespan * 1e3:.0f} ms for "
-              f"{last.n_microbatches} micro-batches, {last.speedup:.2f} stages at work")
+        print(f"  epoch {epoch + 1}: {len(run.losses)} steps; {held}tokens/s: one device {one.tokens_per_second:,.0f}, "
+              f"pipelined {one.tokens / run.seconds:,.0f} (its {args.stages} stages in this one process), "
+              f"{one.tokens / len(one.losses) / last.makespan:,.0f} on {args.stages} devices (the last step's ops "
+              f"replayed: {last.makespan * 1e3:.0f} ms, {last.speedup:.2f} stages at work)")
     gap = one_device.relative_gap(losses, reference_losses)
     print(f"  {len(losses)} steps: largest relative gap between the logged losses {gap:.1e} "
           f"({'equal to 1e-5' if gap <= 1e-5 else 'NOT EQUAL'}); loss {losses[0]:.4f} -> {losses[-1]:.4f}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import glob
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 import pipelab as pl
+from pipelab.common.threads import intra_op_threads
 from pipelab.course import char_lm, corpus, one_device, padding
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,8 +110,8 @@ def test_pipelined_training_on_the_corpus_equals_one_device():
     batches = _loader(corpus.corpus_text()[:1000])  # 123 windows: batches of 6, the last of 3 (smaller than m)
     pipe = pl.Pipeline(model, n_stages=3, n_microbatches=4, schedule="1f1b", loss_fn=pl.models.lm_loss, devices="cpu")
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
-    with pytest.warns(UserWarning, match="fewer than the pipeline's 4 micro-batches"):
-        run = pl.train(pipe, batches, optimizer, epochs=1, clip=1.0, progress=False)
+    with pytest.warns(UserWarning, match="fewer than the pipeline's 4 micro-batches"), intra_op_threads(1):
+        run = pl.train(pipe, batches, optimizer, epochs=1, clip=1.0, progress=False)  # (its optimizer: 1 thread)
     one = one_device.train(reference, batches, torch.optim.AdamW(reference.parameters(), lr=3e-3), epochs=1,
                            clip=1.0, loss_fn=pl.models.lm_loss)
     assert len(run.losses) == len(one.losses) == 21
@@ -133,7 +135,8 @@ def test_a_fine_tune_with_the_first_stage_frozen_leaves_it_untouched_and_learns_
     rest = {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
     zen = _loader(corpus.zen_text(), batch_size=16, stride=8)  # 105 windows
     trainable = [p for p in pipe.parameters() if p.requires_grad]
-    run = pl.train(pipe, zen, torch.optim.AdamW(trainable, lr=1e-2), epochs=2, progress=False)
+    with intra_op_threads(1):
+        run = pl.train(pipe, zen, torch.optim.AdamW(trainable, lr=1e-2), epochs=2, progress=False)
     one = one_device.train(reference, zen, torch.optim.AdamW(
         [p for p in reference.parameters() if p.requires_grad], lr=1e-2), epochs=2, loss_fn=pl.models.lm_loss)
     assert run.losses == pytest.approx(one.losses, rel=1e-5)
@@ -185,3 +188,21 @@ def test_one_device_train_takes_a_model_s_own_loss_and_stops_at_max_steps():
     assert len(run.losses) == 7 and run.tokens == 7 * 12 and run.tokens_per_second > 0
     assert one_device.relative_gap([1.0, 2.0], [1.0, 2.0 + 2e-6]) < 1e-5
     assert one_device.relative_gap([1.0], [1.0, 2.0]) == float("inf")
+
+
+@pytest.mark.slow
+def test_the_training_script_checks_every_loss_the_checkpoint_and_the_frozen_stage(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("train_corpus", ROOT / "scripts" / "train_corpus.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    threads = torch.get_num_threads()
+    try:
+        status = script.main(["--epochs", "1", "--max-steps", "2", "--fine-tune-epochs", "1", "--every", "1",
+                              "--out", str(tmp_path)])
+    finally:
+        torch.set_num_threads(threads)
+    printed = capsys.readouterr().out
+    assert status == 0 and "all checks passed" in printed
+    assert printed.count("(equal to 1e-5)") == 2 and "read back into a model of other weights: equal" in printed
+    assert "bit for bit unchanged: True" in printed and "equal to plain greedy decoding: True" in printed
+    assert (tmp_path / "pretrained").is_dir() and (tmp_path / "fine-tuned").is_dir()
