@@ -30,7 +30,8 @@ def test_the_corpus_and_the_zen_are_the_stated_texts():
     text, zen = corpus.corpus_text(), corpus.zen_text()
     assert (len(text), corpus.sha256(text)) == (corpus.CORPUS_CHARS, corpus.CORPUS_SHA256)
     assert (len(zen), corpus.sha256(zen)) == (corpus.ZEN_CHARS, corpus.ZEN_SHA256)
-    assert f"{corpus.CORPUS_CHARS:,} characters" in corpus.__doc__ and f"{corpus.ZEN_CHARS} characters" in corpus.__doc__
+    assert f"{corpus.CORPUS_CHARS:,} characters" in corpus.__doc__
+    assert f"{corpus.ZEN_CHARS} characters" in corpus.__doc__
     assert set(text) <= set(corpus.ALPHABET) and set(zen) <= set(corpus.ALPHABET)
     assert zen.startswith("The Zen of Python, by Tim Peters\n\nBeautiful is better than ugly.\n")
     assert not [line for line in zen.splitlines() if line and line in text]  # a distinct text
@@ -118,8 +119,8 @@ def test_pipelined_training_on_the_corpus_equals_one_device():
     assert run.losses == pytest.approx(one.losses, rel=1e-5)
     assert one_device.relative_gap(run.losses, one.losses) < 1e-5 and one.tokens == 123 * 16
     for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
-        if name.endswith("qkv.bias"):  # the key bias's gradient is 0 in exact arithmetic (softmax ignores a constant
-            # added to a row of scores): AdamW scales its rounding noise up to a step of lr, either way; compare the rest
+        if name.endswith("qkv.bias"):  # the key bias's gradient is 0 in exact arithmetic (softmax ignores a
+            # constant added to a row of scores): AdamW scales its rounding noise up to a step of lr; compare the rest
             mine, theirs = torch.cat([mine[:32], mine[64:]]), torch.cat([theirs[:32], theirs[64:]])
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5, msg=name)
 

@@ -43,8 +43,9 @@ class CharTokenizer:
             return torch.tensor([self.ids[c] for c in text], dtype=torch.long)
         except KeyError as missing:
             where = text.index(missing.args[0])
-            raise ValueError(f"character {missing.args[0]!r} at position {where} ({text[max(0, where - 20):where + 1]!r})"
-                             f" is not in the tokenizer's alphabet of {self.vocab_size}") from None
+            context = text[max(0, where - 20):where + 1]
+            raise ValueError(f"character {missing.args[0]!r} at position {where} ({context!r}) is not in the "
+                             f"tokenizer's alphabet of {self.vocab_size}") from None
 
     def decode(self, ids: torch.Tensor | Sequence[int]) -> str | list[str]:
         """The text of `ids` (a 1-D tensor or a list); a 2-D tensor: one string per row."""
