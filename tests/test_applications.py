@@ -99,6 +99,44 @@ def test_greedy_text_is_what_the_pipeline_generates_and_leaves_the_prompts_alone
     assert torch.equal(pipe.generate(prompts, 6).tokens, text)
 
 
+def _frozen_gpt_pipelines(microbatch_counts):
+    gpt = pl.models.tiny_gpt(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=16, seed=0)
+    pipes = {m: pl.Pipeline(gpt, n_stages=3, n_microbatches=m, loss_fn=pl.models.lm_loss, devices="cpu")
+             for m in microbatch_counts}
+    pipes[microbatch_counts[0]].partition.stages[0].requires_grad_(False)  # the same modules in every pipeline
+    x, y = pl.models.sample_batch(gpt, 8)
+    return gpt, pipes, x, y
+
+
+def test_side_by_side_runs_the_same_steps_in_turn_and_one_microbatch_keeps_one_stage_at_work():
+    gpt, pipes, x, y = _frozen_gpt_pipelines((1, 4))
+    before = [p.detach().clone() for p in gpt.parameters()]
+    found = app.side_by_side({"naive, m = 1": pipes[1], "pipeline, m = 4": pipes[4]}, x, y, repeats=3)
+    naive, piped = found["naive, m = 1"], found["pipeline, m = 4"]
+    assert len(naive.losses) == len(piped.losses) == 3
+    assert naive.losses + piped.losses == pytest.approx([naive.losses[0]] * 6, rel=1e-5)  # the same work
+    assert all(torch.equal(p, q) for p, q in zip(gpt.parameters(), before))  # no update
+    assert all(p.grad is None for p in gpt.parameters())
+    for side in found.values():
+        assert side.step_seconds == sorted(side.makespans)[1] == side.trace.makespan  # the median of 3
+    assert naive.trace.n_microbatches == 1 and naive.trace.speedup <= 1 + 1e-9  # each stage waits for the last
+    assert piped.trace.n_microbatches == 4 and piped.trace.speedup > 1
+    with pytest.raises(ValueError, match="repeats must be a positive int"):
+        app.side_by_side(found, x, y, repeats=0)
+
+
+def test_held_bytes_counts_a_frozen_stage_s_parameters_and_a_trained_one_s_adamw_state():
+    gpt, pipes, x, y = _frozen_gpt_pipelines((2,))
+    pipe = pipes[2]
+    trace = pipe.step(x, y).trace
+    held = app.held_bytes(pipe, trace, "adamw")
+    parameter_bytes = [sum(p.numel() * 4 for p in stage.parameters()) for stage in pipe.partition.stages]
+    observed = trace.peak_memory_observed
+    assert held[0] == parameter_bytes[0] + observed[0]  # frozen: no gradient, no optimizer state
+    assert held[1:] == [4 * b + a for b, a in zip(parameter_bytes[1:], observed[1:])]  # + grads + 2 moments
+    assert app.held_bytes(pipe, trace, "sgd")[1] == 2 * parameter_bytes[1] + observed[1]
+
+
 def test_time_one_microbatch_times_on_one_thread_and_leaves_no_gradient():
     model = pl.models.mlp(depth=4, width=16, seed=0)
     x, y = pl.models.sample_batch(model, 8)

@@ -3,6 +3,8 @@
     by_depth = state_by_depth(model, (1, 2, 4, 8), n_microbatches=8, sample=(x, y), loss_fn=nn.MSELoss())
     fewest_stages(by_depth, limit_bytes=80e9)          # the smallest p whose fullest device fits
     plain_losses(model, x, y, steps=20, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
+    held_bytes(pipe, result.trace, "adamw")         # each device's model state + observed activations
+    side_by_side({"m = 1": naive, "m = 4": pipe}, x, y, repeats=5)   # the same steps, in turn
     inference_points(n_stages=4, stage_seconds=0.01, microbatch_counts=(1, 2, 4, 8, 16))
     median_replay([pipe.infer(x).trace for _ in range(5)], pl.schedules.inference(4, 8))
     greedy_text(gpt, prompts, new_tokens=16)          # the single device's text, no cache
@@ -87,6 +89,47 @@ def plot_state_by_depth(by_depth: dict[int, list[DeviceMemory]], ax=None, title:
     ax.set(xlabel="stages p", ylabel=f"{unit_name} on the fullest device", title=title)
     ax.legend(fontsize=8)
     return ax
+
+
+# ------------------------------------------------------------------------------- 2. limited GPUs, fine-tuning
+def held_bytes(pipe, trace: Trace, optimizer: str = "adamw") -> list[int]:
+    """Each device's bytes in `trace`'s step: its model state as `pl.device_memory` counts it (its parameters;
+    gradients and `optimizer`'s state for those that require grad, so a frozen stage holds its parameters only)
+    plus the activations observed at its peak (`trace.peak_memory_observed`)."""
+    state = device_memory(pipe.partition, pipe.schedule, None, optimizer)
+    return [s.model_state_bytes + a for s, a in zip(state, trace.peak_memory_observed)]
+
+
+class SideBySide(NamedTuple):
+    """`side_by_side`'s finding for one pipeline."""
+
+    losses: list[float]  # every repeat's loss (the same batch, the same weights: equal to rounding)
+    trace: Trace  # the repeat whose makespan is the median
+    makespans: list[float]  # every repeat's, seconds
+
+    @property
+    def step_seconds(self) -> float:
+        return self.trace.makespan
+
+
+def side_by_side(pipes: dict, inputs, targets=None, repeats: int = 5) -> dict[str, SideBySide]:
+    """Step each pipeline of `pipes` (name -> pipeline) `repeats` times on the same batch, taking turns (a, b, a,
+    b, ...: a busy neighbour on the CPU slows them alike), each step's gradients cleared after it and no update:
+    the same work, timed in the same run.  For each: the losses, the trace of the median step, the makespans."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"repeats must be a positive int, got {repeats!r}")
+    found = {name: [] for name in pipes}
+    for _ in range(repeats):
+        for name, pipe in pipes.items():
+            found[name].append(pipe.step(inputs, targets))
+            for p in pipe.parameters():
+                p.grad = None
+    out = {}
+    for name, results in found.items():
+        ordered = sorted(results, key=lambda r: r.trace.makespan)
+        out[name] = SideBySide([r.loss for r in results], ordered[len(ordered) // 2].trace,
+                               [r.trace.makespan for r in results])
+    return out
 
 
 # ------------------------------------------------------------------------------ 2, 3. training and its losses
@@ -269,7 +312,7 @@ def plot_two_hosts(by_rate: dict[str, dict[str, Prediction]], ax=None, title: st
     return ax
 
 
-__all__ = ["CROSSES", "PARTS", "TWO_HOSTS_LAYOUTS", "InferencePoint", "fewest_stages", "fullest", "greedy_text",
-           "inference_points", "link_bytes", "median_replay", "plain_losses", "plot_inference", "plot_losses",
-           "plot_state_by_depth", "plot_two_hosts", "predict_two_hosts", "state_by_depth", "time_one_microbatch",
-           "two_hosts_model"]
+__all__ = ["CROSSES", "PARTS", "TWO_HOSTS_LAYOUTS", "InferencePoint", "SideBySide", "fewest_stages", "fullest",
+           "greedy_text", "held_bytes", "inference_points", "link_bytes", "median_replay", "plain_losses",
+           "plot_inference", "plot_losses", "plot_state_by_depth", "plot_two_hosts", "predict_two_hosts",
+           "side_by_side", "state_by_depth", "time_one_microbatch", "two_hosts_model"]

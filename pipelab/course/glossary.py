@@ -100,9 +100,10 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
              source=True, task="1.1"),
         term("naive model parallelism", "樸素模型並行",
              "Layers on p devices, but the batch sent through as one micro-batch: one device works at a time and "
-             "the bubble is 1 − 1/p. Splitting then buys memory, not speed.",
+             "the bubble is 1 − 1/p. Splitting then buys memory, not speed; Hugging Face's device_map=\"auto\" runs "
+             "a model this way.",
              "01 3. Naive model parallelism: one device at a time",
-             "07 3. The real engine, with 1 and with 8 micro-batches"),
+             "07 3. The real engine, with 1 and with 8 micro-batches", "13 2. Limited GPUs and fine-tuning"),
         term("model parallelism", "模型並行",
              "Any split of the model itself over devices, as opposed to the data: pipeline parallelism cuts "
              "between layers, tensor parallelism inside them.",
@@ -491,6 +492,11 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
              "In train mode BatchNorm normalises over its input, in a pipeline one micro-batch: m forwards of N/m "
              "samples rather than one of N, so statistics and gradients differ and pipelab warns.",
              "12 5. BatchNorm sees one micro-batch at a time"),
+        term("dynamic padding", "動態填充",
+             "Each batch padded to its own longest row, so a training run's batches change shape from step to step "
+             "(and an epoch's last batch is short); a pipeline split by names follows with a trace of dynamic "
+             "dimensions, every step still the single device's.",
+             "12 7. A training run over a loader"),
     )),
     ("Where it is used · 實際應用", (
         term("forward-only (inference) schedule", "僅前向排程（推理）",
@@ -528,8 +534,13 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
              "13 2. Limited GPUs and fine-tuning", source=True),
         term("fine-tuning", "微調",
              "Training a pretrained model further on a new task; the course text's use: fine-tuning a very large "
-             "model on a few GPUs by splitting it into stages.",
+             "model on a few GPUs by splitting it into stages. Lesson 13 fine-tunes a GPT pretrained on Python's "
+             "docstrings on the Zen of Python.",
              "13 2. Limited GPUs and fine-tuning", source=True),
+        term("frozen layers", "凍結層",
+             "Layers left out of training (requires_grad_(False)): their activations still flow forward, but they "
+             "get no gradient and no optimizer state, so their stage holds only its parameters.",
+             "13 2. Limited GPUs and fine-tuning"),
     )),
 )
 
