@@ -190,14 +190,20 @@ def _done(options: TrainOptions, place: _Place) -> bool:
 
 
 def _one_step(pipe, optimizer, options: TrainOptions, batch: Any, place: _Place):
+    """One step: every gradient of the pipeline cleared (a frozen parameter's old one included: it would count in
+    the clipping norm), the step, clipping, the optimizer and the scheduler, these three on the pipeline's own
+    intra-op threads (PyTorch's default of one per core collapses when the ranks share the cores)."""
     inputs, targets = as_step_arguments(batch)
     optimizer.zero_grad(set_to_none=True)
+    for p in pipe.parameters():
+        p.grad = None
     result = pipe.step(inputs, targets)
-    if options.clip is not None:
-        pipe.clip_grad_norm_(options.clip)
-    optimizer.step()
-    if options.scheduler is not None:
-        options.scheduler.step()
+    with pipe.placement.context():
+        if options.clip is not None:
+            pipe.clip_grad_norm_(options.clip)
+        optimizer.step()
+        if options.scheduler is not None:
+            options.scheduler.step()
     place.batch += 1
     place.steps += 1
     place.losses.append(result.loss)
