@@ -131,6 +131,9 @@ def test_run_trains_over_the_loader_a_factory_returns(tmp_path, backend):
     (["--model", "transformers:gpt2", "--config", "n_layer=two"], "--config n_layer=two: GPT2Config refuses it"),
     (["--model", "transformers:gtp2"], "transformers has no model type 'gtp2' (did you mean gpt2"),
     (["--model", "your_model_cases:cli_factory", "--epochs", "2"], "--epochs is for a factory that returns a loader"),
+    (["--model", "json:dumps"], "dumps() cannot be called with no arguments (missing a required argument: 'obj'): "
+                                "a factory takes none and returns (model, batch or loader"),
+    (["--model", "json:decoder"], "decoder is a module, not a factory"),
 ])
 def test_run_names_a_bad_model_flag(tmp_path, capsys, argv, message):
     assert main(["run", *argv, "--out", str(tmp_path)]) == 2

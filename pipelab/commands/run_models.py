@@ -159,6 +159,17 @@ def _factory(spec: str) -> RunModel:
         factory = getattr(importlib.import_module(module_name), function_name)
     except (ImportError, AttributeError) as error:
         raise ValueError(f"--model {spec}: cannot find {function_name} in module {module_name} ({error})") from error
+    contract = "returns (model, batch or loader, loss_fn or None[, held-out batches])"
+    if not callable(factory):
+        raise TypeError(f"--model {spec}: {function_name} is a {type(factory).__name__}, not a factory: a function "
+                        f"called with no arguments that {contract}")
+    try:
+        inspect.signature(factory).bind()
+    except TypeError as error:
+        raise TypeError(f"--model {spec}: {function_name}() cannot be called with no arguments ({error}): a factory "
+                        f"takes none and {contract}") from None
+    except ValueError:  # a builtin without a signature: call it and see
+        pass
     made = factory()
     if not (isinstance(made, tuple) and len(made) in (3, 4) and isinstance(made[0], nn.Module)):
         raise TypeError(f"--model {spec}: the factory returns (model, batch or loader, loss_fn or None[, held-out "
