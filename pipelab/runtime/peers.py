@@ -101,8 +101,12 @@ def naming_the_stalled(rank: int):
     except RuntimeError as error:
         if _TIMED_OUT not in str(error) or not dist.is_initialized():
             raise
-        found = _watch([r for r in range(dist.get_world_size()) if r != rank]) or {}
+        others = [r for r in range(dist.get_world_size()) if r != rank]
+        found = _watch(others) or {}
         stalled = {r: text for r, (text, stopped) in found.items() if stopped}
+        unread = len(others) == 1 and "could not be read" in found.get(others[0], ("", False))[0]
+        if not stalled and unread:  # the one rank it waited with, and the store, out of reach: cut off, or gone
+            stalled = {others[0]: found[others[0]][0]}
         if not stalled:
             raise
         raise LostRankError(f"rank {rank} lost rank {min(stalled)} while waiting with the other ranks: "
@@ -110,10 +114,23 @@ def naming_the_stalled(rank: int):
 
 
 def _watch(ranks: list[int]) -> dict[int, tuple[str, bool]] | None:
-    """{rank: (what its heartbeat says, whether it stopped)}, from two readings `WATCH_SECONDS` apart; None without
-    a heartbeat here to read."""
+    """`_read_beats`, given at most `WATCH_SECONDS + 2 * READ_SECONDS`: a store across a cut link is not waited for
+    (connecting a client to it retries for longer than the rank has before its launcher stops it, and the error
+    it is about to raise must come first)."""
     if "store" not in _beating:
         return None
+    found: list = []
+    reader = threading.Thread(target=lambda: found.append(_read_beats(ranks)), name="pipelab-peer-read", daemon=True)
+    reader.start()
+    reader.join(WATCH_SECONDS + 2 * READ_SECONDS)
+    if found:
+        return found[0]
+    return {rank: (f"rank {rank}'s heartbeat could not be read within {WATCH_SECONDS + 2 * READ_SECONDS:g} s (the "
+                   "store's host does not answer: cut off, or gone)", False) for rank in ranks}
+
+
+def _read_beats(ranks: list[int]) -> dict[int, tuple[str, bool]]:
+    """{rank: (what its heartbeat says, whether it stopped)}, from two readings `WATCH_SECONDS` apart."""
     try:
         client = _beating["store"].clone()
         client.set_timeout(timedelta(seconds=READ_SECONDS))
