@@ -83,7 +83,13 @@ def env() -> dict:
 
 
 def tail(path: Path, n: int = 3000) -> str:
-    return path.read_text(errors="replace")[-n:] if path.exists() else "(no log)"
+    return whole(path)[-n:]
+
+
+def whole(path: Path) -> str:
+    """A host's whole log: torch's C++ warnings after the error (a frame dump per failed store call) can push
+    the error's own line out of any fixed tail."""
+    return path.read_text(errors="replace") if path.exists() else "(no log)"
 
 
 @pytest.fixture
@@ -167,7 +173,7 @@ def test_a_cable_pulled_mid_step_ends_the_run_naming_the_lost_host_and_leaves_no
     pulled = time.monotonic()
     code_a = hosts.wait_all(runs[:1], timeout_seconds=CUT_TIMEOUT_SECONDS + 20)[0]
     ended = time.monotonic() - pulled
-    output = tail(logs["a"], 20000)
+    output = whole(logs["a"])
     assert code_a not in (None, 0), output
     assert ended < CUT_TIMEOUT_SECONDS + 20, ended
     # the host and the rank named, whatever rank 0 was doing when the cut came (a receive, the end-of-step
@@ -176,10 +182,10 @@ def test_a_cable_pulled_mid_step_ends_the_run_naming_the_lost_host_and_leaves_no
     while running(ranks) and time.monotonic() - pulled < CUT_TIMEOUT_SECONDS + 20:
         time.sleep(0.2)
     assert running(ranks) == [], f"ranks still running {time.monotonic() - pulled:.0f} s after the cut"
-    assert "lost host hostA (rank 0)" in tail(logs["b"], 20000), tail(logs["b"])
+    assert "lost host hostA (rank 0)" in whole(logs["b"]), tail(logs["b"])
     code_b = hosts.wait_all(runs[1:], timeout_seconds=60)[0]  # host B's torchrun: TCP gives up after ~13 s
     assert code_b not in (None, 0), f"{time.monotonic() - pulled:.0f} s after the cut:\n{tail(logs['b'])}"
-    assert "Connection timed out" in tail(logs["b"], 200000), tail(logs["b"])
+    assert "Connection timed out" in whole(logs["b"]), tail(logs["b"])
     deadline = time.monotonic() + 5
     while hosts.survivors() and time.monotonic() < deadline:
         time.sleep(0.1)
