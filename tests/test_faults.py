@@ -58,6 +58,38 @@ def test_a_rank_that_stops_beating_is_named_by_the_rank_left_waiting_in_a_collec
     assert no_children_left() == []
 
 
+def test_the_heartbeat_threads_are_joined_at_exit_even_inside_a_store_call():
+    """A daemon thread still inside a store call when Python finalizes aborts the process (SIGABRT, "terminate
+    called without an active exception": seen in CI as a rank killed by signal 6 after its steps).  The
+    at-exit hook stops the heartbeat and waits for a thread blocked in the store until its read times out."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pipelab.runtime import peers
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=timedelta(seconds=5))
+    client = store.clone()
+    client.set_timeout(timedelta(seconds=1))
+    inside, outcome = threading.Event(), []
+
+    def wait_in_the_store():
+        inside.set()
+        try:
+            client.get("pipelab/never-set")  # blocks in C++ (GIL released) until its 1 s timeout
+        except Exception as error:
+            outcome.append(type(error).__name__)
+
+    reader = threading.Thread(target=wait_in_the_store, daemon=True)
+    peers._start(reader)
+    inside.wait(5)
+    begin = time.monotonic()
+    peers._join_at_exit()
+    assert not reader.is_alive() and outcome, "the thread inside the store call was not waited for"
+    assert time.monotonic() - begin < peers.READ_SECONDS + 1.5
+
+
 def test_a_rank_that_returns_early_is_named_with_the_steps_it_ran():
     with pytest.raises(pl.DistributedError) as caught:
         pl.distributed.launch(cases.returns_early, 2, 1, 3, timeout_seconds=60)

@@ -21,11 +21,17 @@ then again `WATCH_SECONDS` later:
 
 "N s ago" compares the peer's clock with this rank's: across hosts, as good as their clocks agree.
 
+Both threads are stopped and joined when the interpreter exits (`_join_at_exit`): a daemon thread still
+inside a store call when Python finalizes is ended by `pthread_exit` as it takes the GIL back, which
+unwinds through C++ that may not unwind, and the process aborts ("terminate called without an active
+exception", SIGABRT) after its work was done.
+
 Details: docs/distributed.md, "When a rank fails".
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
@@ -45,6 +51,7 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 _TIMED_OUT = "Timed out waiting"  # gloo's, when a wait outlasts the process group's timeout
 
 _beating: dict = {}  # "store": the store it beats into, "stop": its Event
+_threads: list[threading.Thread] = []  # the heartbeat and readers, joined at exit
 
 
 def start() -> bool:
@@ -76,8 +83,24 @@ def start() -> bool:
                 return
 
     _beating.update(store=store, stop=stop)
-    threading.Thread(target=beat, name="pipelab-peer-heartbeat", daemon=True).start()
+    _start(threading.Thread(target=beat, name="pipelab-peer-heartbeat", daemon=True))
     return True
+
+
+def _start(thread: threading.Thread) -> None:
+    if not _threads:
+        atexit.register(_join_at_exit)
+    _threads[:] = [t for t in _threads if t.is_alive()] + [thread]
+    thread.start()
+
+
+def _join_at_exit() -> None:
+    """Stop the heartbeat and wait for every store call under way: each ends within `READ_SECONDS` (its timeout)."""
+    if "stop" in _beating:
+        _beating["stop"].set()
+    deadline = time.monotonic() + READ_SECONDS + 1.0
+    for thread in _threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def describe(rank: int, error: BaseException) -> str | None:
@@ -121,7 +144,7 @@ def _watch(ranks: list[int]) -> dict[int, tuple[str, bool]] | None:
         return None
     found: list = []
     reader = threading.Thread(target=lambda: found.append(_read_beats(ranks)), name="pipelab-peer-read", daemon=True)
-    reader.start()
+    _start(reader)
     reader.join(WATCH_SECONDS + 2 * READ_SECONDS)
     if found:
         return found[0]
