@@ -77,11 +77,13 @@ def start() -> bool:
         while True:
             try:
                 client.set(key, value.format(time.time()))
-            except Exception:  # the group was destroyed, its store closed: nothing left to tell
+            except Exception:  # the store's host is cut off or gone, or the group was destroyed: none to tell
+                _beating["unreachable_since"] = time.time()
                 return
             if stop.wait(BEAT_SECONDS):
                 return
 
+    _beating.pop("unreachable_since", None)
     _beating.update(store=store, stop=stop)
     _start(threading.Thread(target=beat, name="pipelab-peer-heartbeat", daemon=True))
     return True
@@ -137,11 +139,17 @@ def naming_the_stalled(rank: int):
 
 
 def _watch(ranks: list[int]) -> dict[int, tuple[str, bool]] | None:
-    """`_read_beats`, given at most `WATCH_SECONDS + 2 * READ_SECONDS`: a store across a cut link is not waited for
-    (connecting a client to it retries for longer than the rank has before its launcher stops it, and the error
-    it is about to raise must come first)."""
+    """`_read_beats`, given at most `WATCH_SECONDS + 2 * READ_SECONDS`, and not tried at all once this rank's own
+    heartbeat has failed: a store across a cut link is not waited for (connecting a client to it retries for
+    longer than the rank has before its launcher, whose own store reads fail too, stops it; the error it is
+    about to raise must come first)."""
     if "store" not in _beating:
         return None
+    if "unreachable_since" in _beating:  # this rank's own heartbeat no longer reaches the store: none can be read
+        ago = time.time() - _beating["unreachable_since"]
+        return {rank: (f"rank {rank}'s heartbeat could not be read (this rank's own stopped reaching the store "
+                       f"{ago:.1f} s ago: the store's host does not answer: cut off, or gone)", False)
+                for rank in ranks}
     found: list = []
     reader = threading.Thread(target=lambda: found.append(_read_beats(ranks)), name="pipelab-peer-read", daemon=True)
     _start(reader)
