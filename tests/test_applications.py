@@ -2,6 +2,7 @@
 plain training, the forward-only schedule's closed forms, the engine's generation and the two-hosts
 prediction that benchmarks/slow_link.py prints (docs/two_hosts.md)."""
 
+import copy
 import importlib.util
 import math
 from pathlib import Path
@@ -83,9 +84,40 @@ def test_inference_points_are_the_closed_forms(p, t):
     ms = (1, 2, 5, 16)
     for point, m in zip(app.inference_points(p, t, ms), ms):
         assert point.n_microbatches == m
-        assert point.latency_seconds == pytest.approx(p * t)
-        assert point.step_seconds == pytest.approx((m + p - 1) * t)
+        assert point.service_seconds == pytest.approx(p * t)
+        assert point.latencies == pytest.approx([(i + p) * t for i in range(m)])  # waiting included
+        assert point.one_device_latencies == pytest.approx([(i + 1) * p * t for i in range(m)])
+        assert point.last_latency_seconds == pytest.approx((m + p - 1) * t) == pytest.approx(point.step_seconds)
         assert point.throughput == pytest.approx(m / ((m + p - 1) * t))
+
+
+def test_latency_counts_the_wait_and_service_time_does_not():
+    """Of 16 requests that arrive together on 4 stages of 10 ms, the last is answered at 190 ms (640 ms on one
+    device) though each spends 40 ms inside: a helper that returned the service time would give 40."""
+    point = app.inference_points(4, 0.010, (16,))[0]
+    assert point.service_seconds == pytest.approx(0.040)
+    assert point.last_latency_seconds == pytest.approx(0.190) and point.one_device_latencies[-1] == pytest.approx(0.640)
+    assert point.latencies[0] == pytest.approx(point.service_seconds)  # the first waits for nothing
+    assert all(b - a == pytest.approx(0.010) for a, b in zip(point.latencies, point.latencies[1:]))
+
+
+@pytest.mark.parametrize("p,m,t,link", [(4, 16, 0.010, 0.002), (3, 5, 1.0, 0.5), (2, 1, 0.2, 0.3)])
+def test_a_slow_link_adds_p_minus_1_link_times_to_service_and_latency(p, m, t, link):
+    point = app.inference_points(p, t, (m,), link_seconds=link)[0]
+    assert point.service_seconds == pytest.approx(p * t + (p - 1) * link)
+    assert point.latencies == pytest.approx([(i + p) * t + (p - 1) * link for i in range(m)])
+    assert point.one_device_latencies == pytest.approx([(i + 1) * p * t for i in range(m)])  # no link to cross
+
+
+def test_exit_times_are_when_each_microbatch_leaves_the_last_stage_from_the_steps_start():
+    trace = pl.simulate(pl.schedules.inference(3, 4), pl.Costs(forward=[1.0, 2.0, 1.0]))
+    # stage 1 is the slow one: micro-batch i leaves it at 1 + 2·(i + 1), then the last stage takes 1
+    assert app.exit_times(trace) == pytest.approx([4.0, 6.0, 8.0, 10.0])
+    assert app.exit_times(trace) != pytest.approx(trace.latencies)  # not the time inside: [4, 5, 6, 7]
+    assert trace.latencies == pytest.approx([4.0, 5.0, 6.0, 7.0])
+    shifted = trace.__class__(**{**trace.__dict__, "events": [e._replace(start=e.start + 5, end=e.end + 5)
+                                                               for e in trace.events]})
+    assert app.exit_times(shifted) == pytest.approx(app.exit_times(trace))  # counted from the step's start
 
 
 def test_greedy_text_is_what_the_pipeline_generates_and_leaves_the_prompts_alone():
@@ -135,6 +167,39 @@ def test_held_bytes_counts_a_frozen_stage_s_parameters_and_a_trained_one_s_adamw
     assert held[0] == parameter_bytes[0] + observed[0]  # frozen: no gradient, no optimizer state
     assert held[1:] == [4 * b + a for b, a in zip(parameter_bytes[1:], observed[1:])]  # + grads + 2 moments
     assert app.held_bytes(pipe, trace, "sgd")[1] == 2 * parameter_bytes[1] + observed[1]
+
+
+def test_state_by_depth_gives_the_needs_the_pipeline_refuses_before_its_first_step():
+    gpt = pl.models.tiny_gpt(n_layers=2, d_model=32, n_heads=2, vocab_size=64, seq_len=16, seed=0)
+    gpt[:2].requires_grad_(False)  # the embedding and the first block
+    x, y = pl.models.sample_batch(gpt, 8)
+    sample = (pl.microbatch.split(x, 2)[0], pl.microbatch.split(y, 2)[0])  # what the engine profiles
+    unfrozen = copy.deepcopy(gpt).requires_grad_(True)
+    found = {}
+    for name, model in (("frozen", gpt), ("not frozen", unfrozen)):
+        found[name] = app.state_by_depth(model, (1, 2), 2, sample, pl.models.lm_loss, "adamw", split_method="params")
+        for p in (1, 2):
+            limit = app.fullest(found[name][p]).total_bytes - 1
+            with pytest.raises(pl.MemoryBudgetError) as refused:
+                pl.Pipeline(model, n_stages=p, n_microbatches=2, loss_fn=pl.models.lm_loss, devices="cpu",
+                            split_method="params", memory_limit_bytes=limit, memory_optimizer="adamw").step(x, y)
+            assert [n.total_bytes for n in refused.value.needs] == [n.total_bytes for n in found[name][p]]
+        assert all(q.grad is None for q in model.parameters())  # refused before running
+    frozen_bytes = sum(q.numel() * 4 for q in gpt[:2].parameters())
+    whole = [found[name][1][0] for name in ("frozen", "not frozen")]
+    assert whole[1].model_state_bytes - whole[0].model_state_bytes == 3 * frozen_bytes  # a gradient, 2 moments
+    assert whole[0].activation_bytes < whole[1].activation_bytes  # nothing kept for a backward in the frozen part
+
+
+def test_median_seconds_takes_each_stages_median_of_one_kind():
+    trace = pl.simulate(pl.schedules.one_f_one_b(3, 4), pl.Costs(forward=[1.0, 2.0, 3.0], backward=[0.5, 4.0, 6.0]))
+    assert app.median_seconds(trace, "F") == pytest.approx([1.0, 2.0, 3.0])
+    assert app.median_seconds(trace, "B") == pytest.approx([0.5, 4.0, 6.0])
+    assert app.median_seconds(trace, "W") == [0.0, 0.0, 0.0]  # 1F1B runs no W
+    gpt, pipes, x, y = _frozen_gpt_pipelines((2,))
+    steps = [app.median_seconds(pipes[2].step(x, y).trace, "B") for _ in range(3)]
+    measured = [min(column) for column in zip(*steps)]  # a busy CPU only ever adds time
+    assert measured[0] < 0.2 * min(measured[1:])  # the frozen first stage's backward does no work
 
 
 def test_time_one_microbatch_times_on_one_thread_and_leaves_no_gradient():
@@ -216,7 +281,7 @@ def test_the_pictures_draw_what_they_are_given():
     app.plot_losses({"one device": [3, 2, 1, 0.5], "pipeline": [3, 2, 1, 0.5]}, ax=axes[1], depths=[4, 4, 2, 2])
     assert len(axes[1].lines) == 2 and {t.get_text() for t in axes[1].texts} == {"p = 4", "p = 2"}
     app.plot_inference(app.inference_points(4, 0.01, (1, 4, 16)), 4, 0.01, axes=axes[2:])
-    assert len(axes[2].lines) == 3 and len(axes[3].lines) == 2
+    assert len(axes[2].lines) == 3 and len(axes[3].lines) == 3
     plt.close(fig)
     by_rate = {r: app.predict_two_hosts(app.two_hosts_model(0.05, 0.08), b) for r, b in (("1 Gbit/s", 1e9),
                                                                                         ("100 Mbit/s", 1e8))}

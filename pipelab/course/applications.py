@@ -1,11 +1,14 @@
 """Lesson 13's functions: the five uses of pipeline parallelism the course text names, each as a run.
 
     by_depth = state_by_depth(model, (1, 2, 4, 8), n_microbatches=8, sample=(x, y), loss_fn=nn.MSELoss())
+    state_by_depth(gpt, (1, 2), 4, (x_mb, y_mb), lm_loss, "adamw", split_method="params")  # the engine's check
     fewest_stages(by_depth, limit_bytes=80e9)          # the smallest p whose fullest device fits
     plain_losses(model, x, y, steps=20, optimizer=lambda ps: torch.optim.SGD(ps, lr=1.0))
     held_bytes(pipe, result.trace, "adamw")         # each device's model state + observed activations
+    median_seconds(result.trace, "B")                 # each stage's median B: a frozen first stage's is ~0
     side_by_side({"m = 1": naive, "m = 4": pipe}, x, y, repeats=5)   # the same steps, in turn
-    inference_points(n_stages=4, stage_seconds=0.01, microbatch_counts=(1, 2, 4, 8, 16))
+    inference_points(n_stages=4, stage_seconds=0.01, microbatch_counts=(1, 2, 4, 8, 16), link_seconds=0.0)
+    exit_times(trace)                                 # when each micro-batch leaves the last stage: its latency
     median_replay([pipe.infer(x).trace for _ in range(5)], pl.schedules.inference(4, 8))
     greedy_text(gpt, prompts, new_tokens=16)          # the single device's text, no cache
     predict_two_hosts(two_hosts_model(forward_seconds, backward_seconds), bits_per_second=1e8)
@@ -44,16 +47,18 @@ PARTS = ("parameter_bytes", "gradient_bytes", "optimizer_bytes", "activation_byt
 
 # ---------------------------------------------------------------------------------------- 1. large models
 def state_by_depth(model: nn.Sequential, depths: Sequence[int], n_microbatches: int, sample: tuple | None = None,
-                   loss_fn: Callable | None = None, optimizer: str = "adam",
-                   schedule: str = "1f1b") -> dict[int, list[DeviceMemory]]:
-    """p -> every device's `DeviceMemory` for `model` split uniformly into p stages under `schedule`.
+                   loss_fn: Callable | None = None, optimizer: str = "adam", schedule: str = "1f1b",
+                   split_method: str = "uniform") -> dict[int, list[DeviceMemory]]:
+    """p -> every device's `DeviceMemory` for `model` split into p stages (`split_method`) under `schedule`.
 
     `sample`: one micro-batch (inputs, targets), profiled on each split for the activations a micro-batch
     keeps (`Costs.from_profile`); None: model state only (a model on the meta device has no data to run).
+    With the first micro-batch as `sample`, these are the needs `pl.Pipeline(..., memory_limit_bytes=...)`
+    checks before its first step (runtime/placement.py), without building a pipeline or running one.
     """
     found = {}
     for p in depths:
-        parts = split(model, p)
+        parts = split(model, p, method=split_method)
         costs = None if sample is None else Costs.from_profile(model, parts, sample, loss_fn, repeats=1)
         found[p] = device_memory(parts, by_name(schedule, p, n_microbatches), costs, optimizer=optimizer)
     return found
@@ -98,6 +103,16 @@ def held_bytes(pipe, trace: Trace, optimizer: str = "adamw") -> list[int]:
     plus the activations observed at its peak (`trace.peak_memory_observed`)."""
     state = device_memory(pipe.partition, pipe.schedule, None, optimizer)
     return [s.model_state_bytes + a for s, a in zip(state, trace.peak_memory_observed)]
+
+
+def median_seconds(trace: Trace, kind: str) -> list[float]:
+    """Per stage, the median duration of its `kind` actions in `trace` ("F", "B", "W", ...); 0.0 where it ran none.
+    A frozen first stage's B: nothing in it requires grad, so autograd has no graph to walk there."""
+    found = [[] for _ in range(trace.n_stages)]
+    for e in trace.events:
+        if e.kind == kind:
+            found[e.stage].append(e.duration)
+    return [statistics.median(d) if d else 0.0 for d in found]
 
 
 class SideBySide(NamedTuple):
@@ -179,25 +194,50 @@ def plot_losses(curves: dict[str, Sequence[float]], ax=None, depths: Sequence[in
 
 # ------------------------------------------------------------------------------------------ 4. inference
 class InferencePoint(NamedTuple):
-    """One forward-only step of m micro-batches on p equal stages of `stage_seconds`, simulated."""
+    """m requests that arrive together (at 0) on p equal stages of t, forward only, simulated; one device that
+    does a stage's work p times over (p·t a request) serves the same requests beside it, one after another."""
 
     n_microbatches: int
-    latency_seconds: float  # one micro-batch's time in the pipeline (the first's; all equal here): p·t
-    step_seconds: float  # the last leaves at (m + p − 1)·t: how long a request that came with the batch may wait
-    throughput: float  # micro-batches per second, m / ((m + p − 1)·t)
+    service_seconds: float  # a request's time inside the pipeline, entering stage 0 to leaving the last: p·t
+    latencies: tuple[float, ...]  # request i's, arrival to answer, waiting included: (i + p)·t
+    one_device_latencies: tuple[float, ...]  # on one device: (i + 1)·p·t
+    step_seconds: float  # the last leaves at (m + p − 1)·t
+    throughput: float  # requests per second, m / ((m + p − 1)·t)
+
+    @property
+    def last_latency_seconds(self) -> float:
+        """The last request's latency: (m + p − 1)·t on the pipeline (m·p·t on one device)."""
+        return self.latencies[-1]
 
 
-def inference_points(n_stages: int, stage_seconds: float, microbatch_counts: Sequence[int]) -> list[InferencePoint]:
-    """`pl.simulate(pl.schedules.inference(p, m), Costs(forward=t))` for each m (schedules/inference.py)."""
+def exit_times(trace: Trace) -> list[float]:
+    """Per micro-batch, when it leaves the last stage (the end of its last action there), counted from the
+    step's start, when every request of the step has arrived: its latency, waiting included."""
+    begin = min(e.start for e in trace.events)
+    leaves: dict[int, float] = {}
+    for e in trace.events:
+        if e.stage == trace.n_stages - 1:
+            leaves[e.microbatch] = max(leaves.get(e.microbatch, e.end), e.end)
+    return [leaves[i] - begin for i in range(trace.n_microbatches)]
+
+
+def inference_points(n_stages: int, stage_seconds: float, microbatch_counts: Sequence[int],
+                     link_seconds: float = 0.0) -> list[InferencePoint]:
+    """For each m: `simulate(inference(p, m), Costs(forward=t, latency=L))` (schedules/inference.py) and, for
+    one device, `simulate(inference(1, m), Costs(forward=p·t))`.  With a link of L seconds between stages
+    (edge devices), a request's service time is p·t + (p − 1)·L and request i's latency (i + p)·t + (p − 1)·L."""
     points = []
     for m in microbatch_counts:
-        trace = simulate(inference(n_stages, m), Costs(forward=stage_seconds))
-        points.append(InferencePoint(m, trace.latencies[0], trace.makespan, trace.throughput))
+        trace = simulate(inference(n_stages, m), Costs(forward=stage_seconds, latency=link_seconds))
+        alone = simulate(inference(1, m), Costs(forward=n_stages * stage_seconds))
+        points.append(InferencePoint(m, trace.latencies[0], tuple(exit_times(trace)), tuple(exit_times(alone)),
+                                     trace.makespan, trace.throughput))
     return points
 
 
 def plot_inference(points: Sequence[InferencePoint], n_stages: int, stage_seconds: float, axes=None):
-    """Left: throughput against m, beside one device's 1/(p·t) and the limit 1/t; right: latency against m."""
+    """Left: throughput against m, beside one device's 1/(p·t) and the limit 1/t; right: the last of m requests'
+    latency against m, on the pipeline and on one device, and a request's service time."""
     import matplotlib.pyplot as plt
 
     if axes is None:
@@ -207,13 +247,16 @@ def plot_inference(points: Sequence[InferencePoint], n_stages: int, stage_second
     left.plot(ms, [pt.throughput for pt in points], marker="o", label="pipeline, m / ((m + p − 1)·t)")
     left.axhline(1 / (n_stages * stage_seconds), color="grey", linestyle="--", label="one device, 1 / (p·t)")
     left.axhline(1 / stage_seconds, color="black", linestyle=":", label="limit, 1 / t")
-    left.set(xscale="log", xlabel="micro-batches in flight m", ylabel="micro-batches per second",
+    left.set(xscale="log", xlabel="requests that arrive together, m", ylabel="requests per second",
              title="throughput grows with m")
-    right.plot(ms, [1e3 * pt.latency_seconds for pt in points], marker="o",
-               label="one micro-batch in the pipeline, p·t")
-    right.plot(ms, [1e3 * pt.step_seconds for pt in points], marker="s",
-               label="the last of the batch leaves, (m + p − 1)·t")
-    right.set(xscale="log", xlabel="micro-batches in flight m", ylabel="ms", title="latency does not fall")
+    right.plot(ms, [1e3 * pt.one_device_latencies[-1] for pt in points], marker="s", color="grey",
+               label="last request's latency, one device, m·p·t")
+    right.plot(ms, [1e3 * pt.last_latency_seconds for pt in points], marker="o",
+               label="last request's latency, pipeline, (m + p − 1)·t")
+    right.plot(ms, [1e3 * pt.service_seconds for pt in points], marker=".", linestyle=":", color="black",
+               label="a request's service time, p·t")
+    right.set(xscale="log", yscale="log", xlabel="requests that arrive together, m", ylabel="ms",
+              title="the last answer comes sooner; service time does not fall")
     for ax in axes:
         ax.set_xticks(ms, [str(m) for m in ms])
         ax.legend(fontsize=8)
@@ -312,7 +355,8 @@ def plot_two_hosts(by_rate: dict[str, dict[str, Prediction]], ax=None, title: st
     return ax
 
 
-__all__ = ["CROSSES", "PARTS", "TWO_HOSTS_LAYOUTS", "InferencePoint", "SideBySide", "fewest_stages", "fullest",
-           "greedy_text", "held_bytes", "inference_points", "link_bytes", "median_replay", "plain_losses",
+__all__ = ["CROSSES", "PARTS", "TWO_HOSTS_LAYOUTS", "InferencePoint", "SideBySide", "exit_times", "fewest_stages",
+           "fullest", "greedy_text", "held_bytes", "inference_points", "link_bytes", "median_replay", "median_seconds",
+           "plain_losses",
            "plot_inference", "plot_losses", "plot_state_by_depth", "plot_two_hosts", "predict_two_hosts",
            "side_by_side", "state_by_depth", "time_one_microbatch", "two_hosts_model"]
