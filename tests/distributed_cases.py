@@ -11,20 +11,38 @@ import torch
 import torch.distributed as dist
 
 import pipelab as pl
+from pipelab.runtime.launcher import forkserver
 
 BATCH = 19  # prime: most m give uneven micro-batches
 
 
 def running_children() -> list[int]:
-    """Processes this test started that still run (multiprocessing's resource tracker aside)."""
+    """Processes this test started that still run (multiprocessing's resource tracker and the server that ranks
+    are forked from aside: both live as long as this process, runtime/launcher/forkserver.py)."""
     found = []
+    server = forkserver.server()
     for child in psutil.Process().children(recursive=True):
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline()):
+            if (child.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(child.cmdline())
+                    and (server is None or child.pid != server[0])):
                 found.append(child.pid)
         except psutil.NoSuchProcess:
             pass
     return found
+
+
+def launched_ranks(parent_pid: int) -> list[psutil.Process]:
+    """The ranks `pl.distributed.launch` started under process `parent_pid`, oldest first: forked from a
+    forkserver (the ranks are the server's children, with its command line), or spawned."""
+    found, forked = [], "multiprocessing.forkserver"
+    for child in psutil.Process(parent_pid).children(recursive=True):
+        try:
+            line = " ".join(child.cmdline())
+            if "multiprocessing.spawn" in line or (forked in line and forked in " ".join(child.parent().cmdline())):
+                found.append(child)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, AttributeError):
+            pass
+    return sorted(found, key=lambda p: (p.create_time(), p.pid))
 
 
 def no_children_left() -> list[int]:

@@ -282,7 +282,7 @@ def test_killing_the_launcher_with_sigkill_ends_its_ranks_even_inside_a_wait(tmp
         assert process.poll() is None and time.monotonic() < deadline, "the ranks never started"
         time.sleep(0.2)
     time.sleep(0.5)  # inside the receive now
-    ranks = [p for p in psutil.Process(process.pid).children() if "multiprocessing.spawn" in " ".join(p.cmdline())]
+    ranks = cases.launched_ranks(process.pid)
     kill_and_check_the_ranks_end(process, ranks)
 
 

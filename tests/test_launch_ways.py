@@ -14,6 +14,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+import distributed_cases as cases
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 SMALL = ["--model", "mlp", "--stages", "2", "--microbatches", "4", "--width", "16", "--batch-size", "16"]
@@ -122,17 +124,16 @@ def kill_a_rank_and_wait(command, tmp_path) -> tuple[subprocess.CompletedProcess
 
 
 def _rank_process(parent_pid: int, rank: int):
-    """torchrun's workers carry RANK in their environment; launch's spawned ranks start in rank order."""
+    """torchrun's workers carry RANK in their environment; launch's ranks (forked or spawned) start in rank
+    order."""
     workers = []
     for child in psutil.Process(parent_pid).children(recursive=True):
         try:
             if child.environ().get("RANK") == str(rank):
                 return child
-            if "multiprocessing.spawn" in " ".join(child.cmdline()):
-                workers.append(child)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
-    workers.sort(key=lambda p: p.create_time())
+    workers = cases.launched_ranks(parent_pid)
     return workers[rank] if len(workers) > rank else None
 
 

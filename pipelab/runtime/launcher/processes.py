@@ -41,7 +41,7 @@ from typing import Any, Callable
 import cloudpickle
 
 from ...common.errors import LostRankError
-from . import progress
+from . import forkserver, progress
 
 
 class DistributedError(RuntimeError):
@@ -97,17 +97,20 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_seconds: float | None =
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     payload = cloudpickle.dumps((fn, args))
+    start_method = forkserver.start_method()  # forked from a server that imported torch once (forkserver.py)
+    parent, server_env = forkserver.server() if start_method == "forkserver" else (os.getpid(), None)
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"pipelab-{uuid.uuid4().hex[:8]}",
                           rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0, monitor_interval=0.05,
-                          start_method="spawn", shutdown_timeout=_SHUTDOWN_SECONDS)
+                          start_method=start_method, shutdown_timeout=_SHUTDOWN_SECONDS)
     failed = interrupted = None
     begin = time.time()  # the deadline counts from here, start-up included
     with tempfile.TemporaryDirectory(prefix="pipelab-launch-") as reports:
         watch = _Watch(Path(reports), nproc, None if timeout_seconds is None else begin + timeout_seconds)
-        with _quiet_agent(), _own_signal_handlers(), _RanksStderr() as stderr:
+        with _quiet_agent(), _own_signal_handlers(), forkserver.StderrLines() as stderr:
             try:
-                results = elastic_launch(config, _rank_main)(payload, reports, os.getpid(), begin, timeout_seconds,
-                                                             wait_timeout_seconds, backend, threads)
+                results = elastic_launch(config, _rank_main)(payload, reports, parent, begin, timeout_seconds,
+                                                             wait_timeout_seconds, backend, threads,
+                                                             dict(os.environ), server_env)
             except ChildFailedError as failure:
                 failed = failure
                 if any(f.exitcode == -signal.SIGINT for f in failure.failures.values()):
@@ -126,6 +129,7 @@ def launch(fn: Callable, nproc: int, *args: Any, timeout_seconds: float | None =
 
 
 _SHUTDOWN_SECONDS = 5  # the agent's SIGTERM, then SIGKILL after this (a rank ends at SIGTERM: it has no handler)
+_CONSEQUENCE_SECONDS = 1.0  # a forked rank's exit status reaches the agent through the forkserver, a moment late
 _STALE_SECONDS = 3.0  # a rank whose heartbeat (every progress.BEAT_SECONDS) is older has stopped making progress
 
 
@@ -148,11 +152,15 @@ def end_with_parent(parent: int | None = None) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _rank_main(payload: bytes, reports: str, launcher: int, begin: float, timeout_seconds: float | None,
-               wait_timeout_seconds: float, backend: str, threads: int | None):
-    """What each rank runs: die with the launcher, report progress, arm the watchdog, join the process group,
-    run the function."""
-    end_with_parent(launcher)
+def _rank_main(payload: bytes, reports: str, parent: int, begin: float, timeout_seconds: float | None,
+               wait_timeout_seconds: float, backend: str, threads: int | None, launcher_env: dict,
+               server_env: dict | None):
+    """What each rank runs: take the launcher's environment (when forked from the server), die with the launcher
+    (or the server, which dies with it), report progress, arm the watchdog, join the process group, run the
+    function."""
+    if server_env is not None:
+        forkserver.adopt(launcher_env, server_env)
+    end_with_parent(parent)
     signal.signal(signal.SIGINT, signal.SIG_DFL)  # Ctrl-C ends a rank at once, even inside a wait; no traceback
     import torch
     import torch.distributed as dist
@@ -180,9 +188,12 @@ def _rank_main(payload: bytes, reports: str, launcher: int, begin: float, timeou
         return result
     except BaseException as error:
         reporter.finish("failed")
+        consequence = _is_consequence(error)
         _report(reports, rank, f"{type(error).__name__}: {error}", traceback.format_exc(),
-                consequence=_is_consequence(error), usage_error=isinstance(error, (ValueError, TypeError)),
+                consequence=consequence, usage_error=isinstance(error, (ValueError, TypeError)),
                 timed_out=isinstance(error, RuntimeError) and _TIMED_OUT in str(error))
+        if consequence:  # the agent reports only the first exit it sees: the lost peer's (a kill) must come first
+            time.sleep(_CONSEQUENCE_SECONDS)
         raise
     finally:
         if watchdog is not None:
@@ -282,7 +293,7 @@ def _first_failure(reports: Path, failed, nproc: int, stopped: dict | None = Non
 
 
 def _tail(lines: list[str], count: int = 20) -> list[str]:
-    """The last traceback, whole (of the last `_RanksStderr.LINES` lines), else the last `count` lines."""
+    """The last traceback, whole (of the last `forkserver.StderrLines.LINES` lines), else the last `count` lines."""
     starts = [k for k, line in enumerate(lines) if line.startswith("Traceback (most recent call last)")]
     return lines[starts[-1]:] if starts else lines[-count:]
 
@@ -408,83 +419,6 @@ def _kill(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
     except OSError:
         pass
-
-
-class _RanksStderr:
-    """For the launch, the launcher's stderr (fd 2, which the ranks inherit) is a pipe: a thread copies it to
-    the real one as it comes and keeps the last `LINES` lines.  A rank that dies before pipelab's code runs in
-    it (importing the main module, say) leaves nothing but those (its traceback, `_tail`).  The copy ends on a
-    new line."""
-
-    LINES = 60
-
-    def __enter__(self) -> "_RanksStderr":
-        self.lines: collections.deque[str] = collections.deque(maxlen=self.LINES)
-        self.saved = None
-        self._partial, self._last = b"", b"\n"
-        try:
-            sys.stderr.flush()
-            from multiprocessing import resource_tracker
-
-            # multiprocessing's resource tracker, started now so that it does not hold the pipe open after us, and
-            # told to keep quiet (-W, from sys.warnoptions) about the semaphores of ranks that were killed: it
-            # removes them, but warns of each "leaked semaphore" when the launcher exits
-            options = list(sys.warnoptions)
-            sys.warnoptions.append("ignore:resource_tracker:UserWarning")
-            try:
-                resource_tracker.ensure_running()
-            finally:
-                sys.warnoptions[:] = options
-            saved = os.dup(2)
-            read, write = os.pipe()
-            os.dup2(write, 2)
-            os.close(write)
-        except (OSError, ValueError, AttributeError):  # no fd 2 (a daemon), or no POSIX pipes: no copy
-            return self
-        self.saved, self._read = saved, read
-        self._thread = threading.Thread(target=self._copy, name="pipelab-stderr", daemon=True)
-        self._thread.start()
-        return self
-
-    def _copy(self) -> None:
-        while True:
-            try:
-                chunk = os.read(self._read, 1 << 16)
-            except OSError:
-                return
-            if not chunk:
-                return
-            view = memoryview(chunk)
-            while view:
-                try:
-                    view = view[os.write(self.saved, view):]
-                except OSError:
-                    break
-            self._last = chunk[-1:]
-            text = (self._partial + chunk).replace(b"\r", b"\n").split(b"\n")
-            self._partial = text.pop()
-            self.lines.extend(line.decode(errors="replace") for line in text if line.strip())
-
-    def __exit__(self, *exc) -> None:
-        if self.saved is None:
-            return
-        try:
-            sys.stderr.flush()
-        except (OSError, ValueError):
-            pass
-        os.dup2(self.saved, 2)  # closes the pipe's last write end here: the copy reads to its end
-        self._thread.join(timeout=5)
-        if self._thread.is_alive():  # a process the ranks started still holds the pipe: leave it the copy
-            return
-        if self._partial.strip():
-            self.lines.append(self._partial.decode(errors="replace"))
-        if self._last != b"\n":  # a progress bar left mid-line: what the launcher says next starts a line
-            try:
-                os.write(2, b"\n")
-            except OSError:
-                pass
-        os.close(self._read)
-        os.close(self.saved)
 
 
 def _signal_name(number: int) -> str:
