@@ -202,6 +202,15 @@ def report_pid() -> int:
     return os.getpid()
 
 
+def environment_and_output(variable: str) -> tuple[str | None, int]:
+    """The rank's value of `variable`, its parent's pid; and a line on stdout and on stderr."""
+    import sys
+
+    print(f"rank {dist.get_rank()} says on stdout", flush=True)
+    print(f"rank {dist.get_rank()} says on stderr", file=sys.stderr, flush=True)
+    return os.environ.get(variable), os.getppid()
+
+
 def nccl_step(kind: str, schedule: str, n_microbatches: int) -> dict:
     """One step on cuda:LOCAL_RANK over NCCL; gradients brought back to the CPU."""
     model = make_model(kind)

@@ -157,6 +157,31 @@ def test_a_killed_rank_ends_the_run_naming_it_with_no_process_left():
     assert no_children_left() == []
 
 
+def test_forked_ranks_get_the_launchers_environment_and_output_as_they_are_at_each_launch(monkeypatch, capfd):
+    """The ranks fork from a server started at the first launch (runtime/launcher/forkserver.py), yet a variable
+    set or removed since reaches them as it would a spawned rank, and what they print lands in this test's
+    capture; PIPELAB_START_METHOD=spawn gives the same, from ranks that are the launcher's own children."""
+    from pipelab.runtime.launcher import forkserver
+
+    pl.distributed.launch(cases.report_pid, 2)  # the server runs from here on
+    monkeypatch.setenv("PIPELAB_TEST_PROBE", "set after the server started")
+    found = pl.distributed.launch(cases.environment_and_output, 2, "PIPELAB_TEST_PROBE")
+    assert [value for value, _ in found] == ["set after the server started"] * 2
+    assert {parent for _, parent in found} == {forkserver.server()[0]}  # forked, not spawned
+    out, err = capfd.readouterr()
+    assert "rank 0 says on stdout" in out and "rank 1 says on stdout" in out, out
+    assert "rank 0 says on stderr" in err and "rank 1 says on stderr" in err, err
+    monkeypatch.delenv("PIPELAB_TEST_PROBE")
+    assert [value for value, _ in pl.distributed.launch(cases.environment_and_output, 2, "PIPELAB_TEST_PROBE")] \
+        == [None, None]
+    monkeypatch.setenv("PIPELAB_START_METHOD", "spawn")
+    monkeypatch.setenv("PIPELAB_TEST_PROBE", "spawned")
+    spawned = pl.distributed.launch(cases.environment_and_output, 2, "PIPELAB_TEST_PROBE")
+    assert [value for value, _ in spawned] == ["spawned"] * 2 and {parent for _, parent in spawned} == {os.getpid()}
+    assert "rank 1 says on stdout" in capfd.readouterr().out
+    assert no_children_left() == []
+
+
 def test_a_deadlock_ends_at_the_deadline_and_says_so():
     begin = time.monotonic()
     with pytest.raises(pl.DistributedError) as caught:
