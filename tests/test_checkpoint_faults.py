@@ -275,3 +275,50 @@ def test_except_exception_catches_every_checkpoint_failure(run, copy):
                 assert isinstance(error, pl.CheckpointError), error
             else:
                 raise AssertionError("no failure")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A file system of 1 MiB (a tmpfs this test mounts, as root; skipped otherwise), unmounted after."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("needs root, to mount a small tmpfs")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_full_disk_during_a_save_says_so_and_keeps_the_checkpoint_that_was_there(small_disk):
+    """torch.save on a full disk raises its zip writer's "[enforce fail at inline_container.cc:672] unexpected
+    pos ..." (or an OSError ENOSPC): the CheckpointError says the disk is full, with the bytes free, the fix, and
+    torch's words; the checkpoint saved before at the path loads, unchanged."""
+    model = pl.models.mlp(depth=4, width=64, seed=0)
+    pipe = pl.Pipeline(model, n_stages=2, n_microbatches=2, loss_fn=torch.nn.MSELoss(), devices="cpu")
+    adam = torch.optim.Adam(pipe.parameters())
+    x, y = pl.models.sample_batch(model, 8)
+    pipe.step(x, y)
+    adam.step()
+    path = small_disk / "step1"
+    pipe.save_checkpoint(path, adam)
+    kept = {name: q.detach().clone() for name, q in model.named_parameters()}
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (shutil.disk_usage(small_disk).free - 4096))  # 4 KiB left
+    pipe.step(x, y)
+    adam.step()
+    with pytest.raises(pl.CheckpointError) as caught:
+        pipe.save_checkpoint(path, adam, overwrite=True)
+    message = str(caught.value)
+    assert message.startswith(f"the disk holding {path} is full, or refused a write ("), message
+    assert (" free there as it failed): free space or save elsewhere; the checkpoint that was at the path, if any, "
+            "is kept") in message, message
+    assert "unexpected pos" in message or "No space left on device" in message, message
+    assert sorted(p.name for p in small_disk.iterdir()) == ["filler", "step1"]  # nothing half-written left beside
+    filler.unlink()
+    again = pl.models.mlp(depth=4, width=64, seed=1)
+    pl.Pipeline(again, n_stages=2, n_microbatches=2, loss_fn=torch.nn.MSELoss(), devices="cpu").load_checkpoint(path)
+    assert all(torch.equal(q, kept[name]) for name, q in again.named_parameters())

@@ -23,6 +23,7 @@ Details (the keys with examples, why DCP rather than gathering to rank 0): docs/
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -307,12 +308,43 @@ def _failure(error: BaseException, doing: str, path, on: str | None = None, seve
     where = f" on {on}" if on else ""
     if isinstance(error, DamagedCheckpoint):
         failure = CheckpointError(f"the checkpoint at {path} is damaged: {error}")
+    elif _short_write(error):
+        failure = CheckpointError(f"the disk holding {path} is full, or refused a write ({_free(path)} free there "
+                                  f"as it failed): free space or save elsewhere; the checkpoint that was at the "
+                                  f"path, if any, is kept ({type(error).__name__}: {error}, while {doing} it{where})")
     else:
         words = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         failure = CheckpointError(f"{words} (while {doing} the checkpoint at {path}{where})")
     failure.__cause__ = error
     failure.__suppress_context__ = True
     return failure
+
+
+def _short_write(error: BaseException) -> bool:
+    """A write the disk did not take: ENOSPC (or a quota's EDQUOT) anywhere in the chain, or torch's zip writer
+    finding its file shorter than it wrote ("unexpected pos", inline_container.cc), which is how a full disk
+    shows through `torch.save` (an fwrite that came up short; errno is not kept)."""
+    seen = 0
+    while error is not None and seen < 8:
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+            return True
+        if "unexpected pos" in str(error) or "No space left on device" in str(error):
+            return True
+        error, seen = error.__cause__ or error.__context__, seen + 1
+    return False
+
+
+def _free(path) -> str:
+    """The free bytes on the file system that holds `path` (or its nearest existing parent), in words."""
+    where = Path(path).absolute()
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return "unknown bytes"
+    return next((f"{free / 2**k:.1f} {unit}" for k, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")) if free >= 2**k),
+                f"{free} bytes")
 
 
 # ---- the model ---------------------------------------------------------------------------------------------
