@@ -46,6 +46,8 @@ from ..common.errors import LostRankError, PipelineError
 BEAT_SECONDS = 0.5
 WATCH_SECONDS = 3 * BEAT_SECONDS  # a heartbeat unchanged for this long has stopped
 READ_SECONDS = 2.0  # a store that does not answer within this is said so, not waited for
+SILENT_SECONDS = 4.0  # the store has not answered this rank's own heartbeat for this long: it is out of reach
+# (a store call to a host that went silent waits on, whatever its timeout: only the time since the last answer tells)
 _KEY = "pipelab/beat/{rank}"
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")  # gloo's words
 _TIMED_OUT = "Timed out waiting"  # gloo's, when a wait outlasts the process group's timeout
@@ -77,6 +79,8 @@ def start() -> bool:
         while True:
             try:
                 client.set(key, value.format(time.time()))
+                client.check([key])  # a set is sent unanswered; a reply shows the store still hears this rank
+                _beating["answered"] = time.monotonic()
             except Exception:  # the store's host is cut off or gone, or the group was destroyed: none to tell
                 _beating["unreachable_since"] = time.time()
                 return
@@ -84,7 +88,7 @@ def start() -> bool:
                 return
 
     _beating.pop("unreachable_since", None)
-    _beating.update(store=store, stop=stop)
+    _beating.update(store=store, stop=stop, answered=time.monotonic())
     _start(threading.Thread(target=beat, name="pipelab-peer-heartbeat", daemon=True))
     return True
 
@@ -140,16 +144,15 @@ def naming_the_stalled(rank: int):
 
 def _watch(ranks: list[int]) -> dict[int, tuple[str, bool]] | None:
     """`_read_beats`, given at most `WATCH_SECONDS + 2 * READ_SECONDS`, and not tried at all once this rank's own
-    heartbeat has failed: a store across a cut link is not waited for (connecting a client to it retries for
-    longer than the rank has before its launcher, whose own store reads fail too, stops it; the error it is
-    about to raise must come first)."""
+    heartbeat has failed or gone unanswered for `SILENT_SECONDS`: a store across a cut link is not waited for
+    (connecting a client to it retries for longer than the rank has before its launcher, whose own store reads
+    fail too, stops it; the error it is about to raise must come first)."""
     if "store" not in _beating:
         return None
-    if "unreachable_since" in _beating:  # this rank's own heartbeat no longer reaches the store: none can be read
-        ago = time.time() - _beating["unreachable_since"]
-        return {rank: (f"rank {rank}'s heartbeat could not be read (this rank's own stopped reaching the store "
-                       f"{ago:.1f} s ago: the store's host does not answer: cut off, or gone)", False)
-                for rank in ranks}
+    silent = time.monotonic() - _beating.get("answered", time.monotonic())
+    if "unreachable_since" in _beating or silent > SILENT_SECONDS:  # this rank's own beat gets no answer: none can be
+        return {rank: (f"rank {rank}'s heartbeat could not be read (the store has not answered this rank's own "
+                       f"for {silent:.1f} s: its host does not answer: cut off, or gone)", False) for rank in ranks}
     found: list = []
     reader = threading.Thread(target=lambda: found.append(_read_beats(ranks)), name="pipelab-peer-read", daemon=True)
     _start(reader)
