@@ -1,10 +1,10 @@
 """Local ranks forked from a server that has imported torch and pipelab once, instead of spawned anew.
 
 A spawned rank is a new Python that imports torch and pipelab: about 2 s of CPU each, so a launch of 2
-ranks took 2.5 s and one of 4 ranks 9 s on 2 cores before its first line ran, however short the work.
-multiprocessing's forkserver start method (Python's docs, "Contexts and start methods") forks each rank
-from a server process started once per launcher, which imports `PRELOAD` first: after the first launch,
-2 ranks start in about 0.2 s and 4 in 0.25 s (`benchmarks/launch_start.py` prints both ways).
+ranks took 2.4 s and one of 4 ranks 5.2 s on 2 cores, however short the work.  multiprocessing's
+forkserver start method (Python's docs, "Contexts and start methods") forks each rank from a server
+process started once per launcher, which imports `PRELOAD` first: after the first launch, 2 ranks take
+0.33 s and 4 ranks 0.30 s (`python benchmarks/launch_start.py` prints both ways, measured in one run).
 
 A forked rank inherits the *server's* state from when the server started, where a spawned one got the
 launcher's at the launch; three things are handed over here so that it behaves as spawned:
