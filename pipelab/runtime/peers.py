@@ -82,12 +82,12 @@ def start() -> bool:
                 client.check([key])  # a set is sent unanswered; a reply shows the store still hears this rank
                 _beating["answered"] = time.monotonic()
             except Exception:  # the store's host is cut off or gone, or the group was destroyed: none to tell
-                _beating["unreachable_since"] = time.time()
+                _beating["failed"] = True
                 return
             if stop.wait(BEAT_SECONDS):
                 return
 
-    _beating.pop("unreachable_since", None)
+    _beating.pop("failed", None)
     _beating.update(store=store, stop=stop, answered=time.monotonic())
     _start(threading.Thread(target=beat, name="pipelab-peer-heartbeat", daemon=True))
     return True
@@ -101,7 +101,8 @@ def _start(thread: threading.Thread) -> None:
 
 
 def _join_at_exit() -> None:
-    """Stop the heartbeat and wait for every store call under way: each ends within `READ_SECONDS` (its timeout)."""
+    """Stop the heartbeat and wait for the store calls under way, `READ_SECONDS` + 1 s at most: a call to a store
+    that went silent may never return, and is left there (a thread blocked in it never takes the GIL back)."""
     if "stop" in _beating:
         _beating["stop"].set()
     deadline = time.monotonic() + READ_SECONDS + 1.0
@@ -150,9 +151,10 @@ def _watch(ranks: list[int]) -> dict[int, tuple[str, bool]] | None:
     if "store" not in _beating:
         return None
     silent = time.monotonic() - _beating.get("answered", time.monotonic())
-    if "unreachable_since" in _beating or silent > SILENT_SECONDS:  # this rank's own beat gets no answer: none can be
+    if "failed" in _beating or silent > SILENT_SECONDS:  # this rank's own beat gets no answer: none can be read
         return {rank: (f"rank {rank}'s heartbeat could not be read (the store has not answered this rank's own "
-                       f"for {silent:.1f} s: its host does not answer: cut off, or gone)", False) for rank in ranks}
+                       f"heartbeat for {silent:.1f} s: its host does not answer: cut off, or gone)", False)
+                for rank in ranks}
     found: list = []
     reader = threading.Thread(target=lambda: found.append(_read_beats(ranks)), name="pipelab-peer-read", daemon=True)
     _start(reader)

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ...common.errors import PipelineError
+from ...predict.budget import format_bytes
 from . import manifest as checkpoint_manifest
 from .manifest import DamagedCheckpoint
 
@@ -340,11 +341,9 @@ def _free(path) -> str:
     while not where.exists() and where != where.parent:
         where = where.parent
     try:
-        free = shutil.disk_usage(where).free
+        return format_bytes(shutil.disk_usage(where).free)
     except OSError:
         return "unknown bytes"
-    return next((f"{free / 2**k:.1f} {unit}" for k, unit in ((30, "GiB"), (20, "MiB"), (10, "KiB")) if free >= 2**k),
-                f"{free} bytes")
 
 
 # ---- the model ---------------------------------------------------------------------------------------------

@@ -20,7 +20,6 @@ Details: docs/distributed.md, "Local ranks: `pl.distributed.launch`" and "When a
 
 from __future__ import annotations
 
-import collections
 import ctypes
 import json
 import logging
