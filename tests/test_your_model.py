@@ -161,9 +161,12 @@ def time_split_on_ranks() -> dict:
                                      torch.nn.Sequential(*[torch.nn.Linear(384, 384) for _ in range(5)]))
     cut = pl.DistributedPipeline(sequential, n_microbatches=2, schedule="1f1b", split_method="time",
                                  sample=batch["x"], loss_fn=torch.nn.functional.mse_loss).partition.bounds
+    # split_method="auto", schedule="auto": rank 0 measures and decides, every rank gets its plan
+    auto = pl.DistributedPipeline(HeavyHead(), n_microbatches=2, split_method="auto", schedule="auto", sample=batch)
     # the StepResult itself, its trace not read yet: pickled back with the trace
     return {"first": [pipe.partition.stages[s].first_module for s in pipe.stages], "result": pipe.step(batch),
-            "sequential": cut}
+            "sequential": cut, "plan": auto.plan, "auto": auto.step(batch).loss,
+            "auto_first": [auto.partition.stages[s].first_module for s in auto.stages]}
 
 
 @pytest.mark.slow
@@ -175,6 +178,13 @@ def test_a_time_split_is_timed_on_rank_0_and_the_same_on_every_rank():
     assert first["result"].loss == second["result"].loss == pytest.approx(float(HeavyHead()(**batch)), rel=1e-6)
     assert first["result"].trace.events == second["result"].trace.events
     assert len(second["result"].trace.events) == 2 * 2 * 2  # F and B of 2 micro-batches on 2 stages
+    # the decision: made on rank 0, the same plan on both ranks, the stages it chose, the loss of one device
+    plan = first["plan"]
+    assert str(plan) == str(second["plan"]) and plan.chosen.bounds == second["plan"].chosen.bounds
+    assert plan.link[0] > 0 and plan.link[1] > 0  # the link between the ranks, measured
+    starts = ["blocks.0", *plan.split_points()]
+    assert sorted(first["auto_first"] + second["auto_first"]) == sorted(starts)
+    assert first["auto"] == second["auto"] == pytest.approx(float(HeavyHead()(**batch)), rel=1e-6)
 
 
 @pytest.mark.slow

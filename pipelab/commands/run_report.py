@@ -29,6 +29,7 @@ class RunSummary:
     step_seconds: list[float]  # wall clock per step run in this call, engine included
     trace: Trace  # the last step's
     eval_losses: dict[int, float] = field(default_factory=dict)  # held-out loss after step k (a loader's run)
+    decision: str | None = None  # --split auto / --schedule auto: the candidates priced, the chosen one first
 
 
 def finish(summary: RunSummary, args) -> None:
@@ -49,6 +50,7 @@ def figures(summary: RunSummary) -> dict:
         "schedule": summary.schedule, "n_stages": summary.n_stages, "n_microbatches": summary.n_microbatches,
         "backend": summary.backend, "world_size": summary.world_size, "devices": summary.devices,
         "bounds": summary.bounds, "stages": summary.stage_names, "split": summary.split_method,
+        "decision": summary.decision,
         "losses": summary.losses, "step_seconds": summary.step_seconds,
         "eval_losses": {str(step): loss for step, loss in summary.eval_losses.items()},
         "trace_source": trace.source, "trace_source_label": trace.source_label,
@@ -81,6 +83,8 @@ def report(summary: RunSummary) -> str:
         f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {len(losses)} steps; "
         f"median step {statistics.median(summary.step_seconds) * 1e3:.1f} ms (wall clock, engine included)",
     ]
+    if summary.decision is not None:
+        lines += ["", summary.decision, ""]
     if summary.eval_losses:
         last = max(summary.eval_losses)
         lines.append(f"held-out loss {summary.eval_losses[last]:.4f} after step {last}")

@@ -49,7 +49,8 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--stages", type=stages_or_auto, default=4,
                      help="pipeline stages p; distributed: auto = the world size (what torchrun's elasticity gives)")
     run.add_argument("--microbatches", type=positive, default=8, help="micro-batches per step m")
-    run.add_argument("--schedule", default="1f1b", help="gpipe, 1f1b or zb-h1")
+    run.add_argument("--schedule", default="1f1b",
+                     help="gpipe, 1f1b, zb-h1, or auto (chosen with the cut by simulating each on measured costs)")
     run.add_argument("--steps", type=positive, default=None,
                      help=f"one batch: steps to train on it (default {ONE_BATCH_STEPS}); a loader: stop after this "
                           "many steps (default: every epoch)")
@@ -67,7 +68,9 @@ def add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--batch-size", type=positive, default=64)
     run.add_argument("--depth", type=positive, default=8, help="blocks of the MLP / transformer layers of the GPT")
     run.add_argument("--width", type=positive, default=256, help="MLP width / GPT d_model")
-    run.add_argument("--split", choices=["uniform", "params", "time"], default="uniform")
+    run.add_argument("--split", choices=["uniform", "params", "time", "auto"], default="uniform",
+                     help="where to cut: equal blocks, parameters, measured time, or auto (the predicted fastest "
+                          "step among every cut and schedule, inside blocks too)")
     run.add_argument("--lr", type=float, default=1e-3)
     run.add_argument("--seed", type=int, default=0)
     run.add_argument("--out", type=Path, default=Path("pipelab-out"), help="folder for the PNG and the Chrome trace")
@@ -139,8 +142,10 @@ def _pipeline_options(args, made: run_models.RunModel) -> dict:
     if points is not None and isinstance(made.model, torch.nn.Sequential):
         raise ValueError("--split-points is for a model split by module names; pipelab's own models are cut "
                          "by --split")
+    deciding = "auto" in (args.split, args.schedule)
+    sample = (made.inputs, made.targets) if deciding and made.targets is not None else made.inputs
     return dict(loss_fn=made.loss_fn, loss_normalization=args.loss_normalization, split_method=args.split,
-                split_points=points, sample=made.inputs)
+                split_points=points, sample=sample)
 
 
 def _run(pipe, made: run_models.RunModel, args, show_progress: bool) -> tuple:
@@ -208,7 +213,7 @@ def _summary(pipe, ran: tuple, backend: str, devices: list[str], world_size: int
     partition = pipe.partition
     return RunSummary(pipe.schedule.name, pipe.n_stages, pipe.n_microbatches, partition.bounds,
                       _stage_names(partition), partition.method, devices, backend, world_size, losses, seconds,
-                      last.trace, eval_losses)
+                      last.trace, eval_losses, None if pipe.plan is None else pipe.plan.table(5))
 
 
 def _stage_names(partition) -> list[str]:
@@ -223,5 +228,8 @@ def _schedule(args):
     differs is named as such."""
     if args.stages == "auto" or args.stages == dist.get_world_size():
         return args.schedule
+    if args.schedule == "auto":
+        raise ValueError(f"--schedule auto decides for one stage per process: give --stages {dist.get_world_size()} "
+                         "(the world size) or --stages auto")
     return by_name(args.schedule, args.stages, args.microbatches)
 

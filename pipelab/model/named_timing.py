@@ -36,7 +36,7 @@ def block_times(model: nn.Module, blocks: str, n_blocks: int, sample: dict, repe
     try:
         with stage_ops.buffers_kept(model.buffers()):
             runs = [stage_ops.stage_function(piece, FusedAccumulation(piece, list(piece.parameters())),
-                                             loss=_scalar if s == len(pieces) - 1 else None,
+                                             loss=loss_or_sum if s == len(pieces) - 1 else None,
                                              copy_input=stage_ops.starts_in_place(piece))
                     for s, piece in enumerate(pieces)]
             for _ in range(repeats):
@@ -64,7 +64,7 @@ def _time_once(runs: list, sample: dict, times: list[list[float]]) -> None:
         times[s][-1] += time.perf_counter() - begin
 
 
-def _scalar(output: Any) -> torch.Tensor:
+def loss_or_sum(output: Any) -> torch.Tensor:
     """The model's own loss, or without one the sum of its floating-point outputs (a backward of the same shapes)."""
     try:
         return model_loss(output)

@@ -39,10 +39,14 @@ class WeightWork:
 
 
 def _graph_of(roots: list[Node]) -> list[Node]:
-    """Every node reachable from `roots`, parents before children (a reverse post-order)."""
-    order, seen = [], set(roots)
+    """Every node reachable from `roots`, parents before children (a reverse post-order).  A root may be
+    reachable from another (a stage cut inside a block sends the residual stream and a function of it): it is
+    then visited from there, as any node, so it still comes after its parents."""
+    order, seen = [], set()
     for root in roots:
-        _visit(root, seen, order)
+        if root not in seen:
+            seen.add(root)
+            _visit(root, seen, order)
     return order[::-1]
 
 

@@ -79,7 +79,8 @@ class Costs:
     @classmethod
     def from_profile(cls, model, parts, sample_batch: tuple[Any, Any], loss_fn: Callable | None,
                      repeats: int = 5, latency: float = 0.0, bandwidth: float = math.inf,
-                     threads: int | None = 1, fused_accumulation: bool = True) -> "Costs":
+                     threads: int | None = 1, fused_accumulation: bool = True,
+                     split_backward: bool = False) -> "Costs":
         """Measure forward/backward seconds, bytes sent and kept, per stage.
 
         `parts` is a `pl.split` result of `model`; `sample_batch` = (inputs, targets) of ONE
@@ -88,7 +89,9 @@ class Costs:
         what the engine runs.  The model's `.grad` is restored afterwards.  The ops run on
         `threads` intra-op threads (default 1, like the engine's step; None: the caller's setting),
         with the weight gradients accumulated as the engines do by default (`fused_accumulation`,
-        `model/fused_accumulation.py`; False for a pipeline built with it off).
+        `model/fused_accumulation.py`; False for a pipeline built with it off).  `split_backward`: time each
+        backward as a schedule with W actions runs it, I then W (`backward` then holds I's seconds and `weight`
+        W's, Zero Bubble PP's T_B and T_W; no fused accumulation, which a split backward does not use).
 
         Each stage's forward and backward seconds are the best (minimum) of `repeats` runs:
         other work on the machine, a cold cache or a page fault only ever add time, so the
@@ -96,10 +99,11 @@ class Costs:
         """
         check_repeats(repeats)
         with intra_op_threads(threads), stage_ops.buffers_kept(model.buffers()):  # no BatchNorm update of its own
-            return cls._profile(model, parts, sample_batch, loss_fn, repeats, latency, bandwidth, fused_accumulation)
+            return cls._profile(model, parts, sample_batch, loss_fn, repeats, latency, bandwidth,
+                                fused_accumulation and not split_backward, split_backward)
 
     @classmethod
-    def _profile(cls, model, parts, sample_batch, loss_fn, repeats, latency, bandwidth, fused) -> "Costs":
+    def _profile(cls, model, parts, sample_batch, loss_fn, repeats, latency, bandwidth, fused, split) -> "Costs":
         inputs, targets = sample_batch
         saved_grads = [p.grad for p in model.parameters()]
         for p in model.parameters():  # profile into fresh .grad tensors, then put the caller's back
@@ -107,6 +111,7 @@ class Costs:
         n = len(parts.stages)
         forward = [[] for _ in range(n)]
         backward = [[] for _ in range(n)]
+        weight = [[] for _ in range(n)]
         sent, kept, received = [0.0] * n, [0.0] * n, [0.0] * n
         fusions = [FusedAccumulation(stage, list(stage.parameters())) if fused else None for stage in parts.stages]
         counters = [stage_ops.SavedTensors(list(stage.parameters())) for stage in parts.stages]
@@ -132,13 +137,21 @@ class Costs:
             gradient = None
             for s in range(n - 1, -1, -1):
                 begin = _now(devices[s])
-                gradient = stage_ops.backward(held[s], boundary.moved(gradient, devices[s], copy=False))
-                backward[s].append(_now(devices[s]) - begin)
+                if split:
+                    gradient, for_w = stage_ops.input_gradient(held[s], boundary.moved(gradient, devices[s], copy=False),
+                                                               list(parts.stages[s].parameters()))
+                    middle = _now(devices[s])
+                    stage_ops.weight_gradient(for_w)
+                    weight[s].append(_now(devices[s]) - middle)
+                    backward[s].append(middle - begin)
+                else:
+                    gradient = stage_ops.backward(held[s], boundary.moved(gradient, devices[s], copy=False))
+                    backward[s].append(_now(devices[s]) - begin)
         for_w = _held_for_w(parts, inputs, targets, loss_fn, devices, counters)
         for p, g in zip(model.parameters(), saved_grads):
             p.grad = g
         return cls(forward=[min(t) for t in forward], backward=[min(t) for t in backward],
-                   latency=latency, bandwidth=bandwidth, activation_bytes=sent, memory_bytes=kept,
+                   weight=[min(t) for t in weight] if split else 0.0, latency=latency, bandwidth=bandwidth, activation_bytes=sent, memory_bytes=kept,
                    input_bytes=received, weight_memory_bytes=for_w)
 
 

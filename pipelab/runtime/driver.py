@@ -33,6 +33,7 @@ from ..predict.memory import checkpoint_plan
 from ..schedules.inference import forward_only_like, generation
 from ..schedules.schedule import Schedule
 from ..schedules.warm_up import warm_up_like
+from .auto_choice import wants_decision
 from .clock import ActionClock
 from .loop import run_actions
 from .memory_observer import MemoryObserver
@@ -61,6 +62,11 @@ class StepDriver:
         check_loss_fn(options.loss_fn, traced=options.traced or not isinstance(model, nn.Sequential))
         self.count_tokens = token_counter(model, options.loss_fn, options.loss_normalization)  # None: by samples
         self.finite_checks = FiniteChecks(options.check_finite)
+        self.plan = None  # what split_method="auto" / schedule="auto" decided (`runtime/auto_choice.py`)
+        if wants_decision(options):
+            with placement.context():
+                self.plan, options = placement.decide(model)
+            self.options = options
         self.schedule = placement.resolve_schedule()
         self.n_stages, self.n_microbatches = self.schedule.n_stages, options.n_microbatches
         self.asynchronous = self.schedule.asynchronous

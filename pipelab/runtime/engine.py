@@ -30,6 +30,7 @@ class Engine:
         self.driver = driver = StepDriver(model, options, placement)
         self.partition, self.schedule, self.workers = driver.partition, driver.schedule, driver.workers
         self.n_stages, self.n_microbatches, self.loss_fn = driver.n_stages, driver.n_microbatches, options.loss_fn
+        self.plan = driver.plan  # split_method="auto" / schedule="auto": every candidate priced, the choice first
 
     def step(self, inputs: Any, targets: Any = None) -> StepResult:
         """One training step (on ranks: call it on every rank with the same whole batch).  Gradients of the mean

@@ -32,6 +32,7 @@ from ..schedules.action import Action
 from ..schedules.dependencies import run_dependencies
 from ..schedules.schedule import Schedule
 from .clock import ActionClock
+from . import auto_choice
 from .devices import assign_devices
 from .loop import InProcessTransport, StageWorker, Transport
 from .memory_observer import MemoryObserver
@@ -48,6 +49,7 @@ class Placement(Protocol):
 
     def context(self) -> contextlib.AbstractContextManager: ...
     def resolve_schedule(self, n_microbatches: int | None = None) -> Schedule: ...
+    def decide(self, model: nn.Module) -> tuple[Any, PipelineOptions]: ...
     def build(self, model: nn.Module, schedule: Schedule,
               checkpoint: list[bool]) -> tuple[Partition, dict[int, StageWorker]]: ...
     def check_plain(self, what: str) -> None: ...
@@ -82,6 +84,13 @@ class LocalPlacement:
         """The options' schedule for this placement (for `n_microbatches`, default the options')."""
         m = self.options.n_microbatches if n_microbatches is None else n_microbatches
         return resolve_schedule(self.options.schedule, m, n_stages=self.n_stages)
+
+    def decide(self, model: nn.Module) -> tuple[Any, PipelineOptions]:
+        """split_method="auto" / schedule="auto": measure here, decide for one device per stage (in-process
+        hand-overs: free links), and take the choice (`auto_choice.py`)."""
+        plan, choice = auto_choice.decide_options(model, self.options, self.n_stages, interleave=False)
+        self.options = auto_choice.apply(choice, model, self.options)
+        return plan, self.options
 
     def build(self, model: nn.Module, schedule: Schedule,
               checkpoint: list[bool]) -> tuple[Partition, dict[int, StageWorker]]:

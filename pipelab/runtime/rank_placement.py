@@ -34,11 +34,12 @@ from ..predict.budget import check_memory_budget
 from ..predict.layout import Layout
 from ..schedules.action import Action
 from ..schedules.schedule import Schedule
-from . import clipping, comm_count, fingerprint, peers
+from . import auto_choice, clipping, comm_count, fingerprint, peers
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .exchange import StepExchange, StepRecord
 from .launcher import progress
+from .link_probe import measure_link
 from .hybrid import HybridMesh, ScatterGatherTransport, all_reduce_gradients, check_plans, local_shard, parallelize
 from .loop import StageWorker, Transport
 from .memory_observer import MemoryObserver
@@ -82,6 +83,33 @@ class RankPlacement:
         """The options' schedule for this placement (for `n_microbatches`, default the options')."""
         m = self.options.n_microbatches if n_microbatches is None else n_microbatches
         return resolve_schedule(self.options.schedule, m, n_devices=self.layout.pp)
+
+    def decide(self, model: nn.Module):
+        """split_method="auto" / schedule="auto": the link between ranks 0 and 1 measured (`link_probe.py`), then
+        rank 0 measures the model and decides (`auto_choice.py`, interleaved schedules included), and every rank
+        receives its plan and applies its choice, so all build the same pipeline.  A failure on rank 0 is
+        raised on every rank with its words."""
+        if self.layout.tp > 1 or self.layout.dp > 1:
+            raise ValueError("split_method='auto' and schedule='auto' decide for a plain pipeline (one stage per rank, "
+                             "or two with an interleaved schedule); with tensor or data parallelism give the cut "
+                             "('uniform', 'params' or a Partition) and a schedule name")
+        latency, bandwidth = measure_link(self.agreeing, self.device)
+        decided: list = [None, None]
+        failure = None
+        if dist.get_rank(self.agreeing) == 0:
+            try:
+                decided[0] = auto_choice.decide_options(model, self.options, self.layout.pp, interleave=True,
+                                                        latency=latency, bandwidth=bandwidth)
+            except Exception as error:  # every rank is waiting for the plan: tell them, then raise it here
+                failure, decided[1] = error, f"{type(error).__name__}: {error}"
+        dist.broadcast_object_list(decided, group_src=0, group=self.agreeing)
+        if failure is not None:
+            raise failure
+        if decided[1] is not None:
+            raise ValueError(f"rank 0 could not decide the cut and schedule: {decided[1]}")
+        plan, choice = decided[0]
+        self.options = auto_choice.apply(choice, model, self.options)
+        return plan, self.options
 
     def build(self, model: nn.Module, schedule: Schedule,
               checkpoint: list[bool]) -> tuple[Partition, dict[int, StageWorker]]:
