@@ -91,7 +91,8 @@ class Costs:
         with the weight gradients accumulated as the engines do by default (`fused_accumulation`,
         `model/fused_accumulation.py`; False for a pipeline built with it off).  `split_backward`: time each
         backward as a schedule with W actions runs it, I then W (`backward` then holds I's seconds and `weight`
-        W's, Zero Bubble PP's T_B and T_W; no fused accumulation, which a split backward does not use).
+        W's, Zero Bubble PP's T_B and T_W; no fused accumulation, which a split backward does not use); the W's
+        run after every stage's I, deferred as such a schedule defers them.
 
         Each stage's forward and backward seconds are the best (minimum) of `repeats` runs:
         other work on the machine, a cold cache or a page fault only ever add time, so the
@@ -134,19 +135,20 @@ class Costs:
                 if s < n - 1:
                     activation = boundary.detached(output)
                     sent[s] = boundary.nbytes(activation)
-            gradient = None
+            gradient, owed = None, {}
             for s in range(n - 1, -1, -1):
                 begin = _now(devices[s])
                 if split:
-                    gradient, for_w = stage_ops.input_gradient(held[s], boundary.moved(gradient, devices[s], copy=False),
-                                                               list(parts.stages[s].parameters()))
-                    middle = _now(devices[s])
-                    stage_ops.weight_gradient(for_w)
-                    weight[s].append(_now(devices[s]) - middle)
-                    backward[s].append(middle - begin)
+                    gradient, owed[s] = stage_ops.input_gradient(held[s],
+                                                                 boundary.moved(gradient, devices[s], copy=False),
+                                                                 list(parts.stages[s].parameters()))
                 else:
                     gradient = stage_ops.backward(held[s], boundary.moved(gradient, devices[s], copy=False))
-                    backward[s].append(_now(devices[s]) - begin)
+                backward[s].append(_now(devices[s]) - begin)
+            for s, work in owed.items():  # each W after every I, as a schedule defers them (its inputs gone cold)
+                begin = _now(devices[s])
+                stage_ops.weight_gradient(work)
+                weight[s].append(_now(devices[s]) - begin)
         for_w = _held_for_w(parts, inputs, targets, loss_fn, devices, counters)
         for p, g in zip(model.parameters(), saved_grads):
             p.grad = g

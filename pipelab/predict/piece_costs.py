@@ -10,15 +10,15 @@ past it) and its W the whole backward of the rest, sum B_k - I_0, one pass as th
 The pieces are the blocks of an `nn.Sequential`, or a model split by names before every cut point
 (`model/cut_points.py`).  Each is profiled as the engines run a stage (`Costs.from_profile`): once with
 whole backwards (fused weight-gradient accumulation, as GPipe and 1F1B run them) and once split into I
-and W (as a schedule with W actions runs them, Zero Bubble PP's T_B and T_W).  A sum over pieces leaves
-out nothing a stage adds but the hand-over between its pieces, which a stage does not do (a few
-microseconds each).
+and W (as a schedule with W actions runs them, Zero Bubble PP's T_B and T_W).  Each piece also pays a
+hand-over that a stage of several pieces does not, so the pieces are scaled to add up to the whole
+model measured as one stage (`calibrated`).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 from torch import nn
@@ -101,7 +101,39 @@ def measure_pieces(model: nn.Module, points: list[str], named: bool, sample_batc
         pieces = [model[k:k + 1] for k in range(len(model))]
     parts = Partition([(k, k + 1) for k in range(len(pieces))], pieces, "pieces", [1.0] * len(pieces))
     costs = measure_stages(model, parts, sample_batch, loss_fn, threads, repeats)
-    return PieceCosts(list(points), costs.whole, costs.split), pieces
+    one = Costs.from_profile(model, Partition([(0, 1)], [_Whole(model)], "whole", [1.0]), sample_batch, loss_fn,
+                             repeats=repeats, threads=threads)
+    return calibrated(PieceCosts(list(points), costs.whole, costs.split), one), pieces
+
+
+def calibrated(pieces: PieceCosts, one: Costs) -> PieceCosts:
+    """`pieces` scaled so that their F and B add up to the whole model's, measured as one stage (`one`).
+
+    Each piece pays a hand-over a stage of several pieces does not (its input made a leaf, its output
+    detached, its own autograd graph: 5-10 % of B for GPT-2's pieces of 4 x 64 tokens, measured); scaling
+    by sum_whole / sum_pieces, F and B apart (I by B's factor: the hand-over is on the input's path; W, which
+    only reads what I kept, as measured), takes that out of every cut alike."""
+    def scale(costs: Costs, **factors: float) -> Costs:
+        return replace(costs, **{name: [v * factor for v in getattr(costs, name)] for name, factor in factors.items()})
+
+    def factor(name: str) -> float:
+        total = sum(getattr(pieces.whole, name))
+        return float(getattr(one, name)[0]) / total if total > 0 else 1.0
+
+    f, b = factor("forward"), factor("backward")
+    return PieceCosts(pieces.points, scale(pieces.whole, forward=f, backward=b),
+                      scale(pieces.split, forward=f, backward=b))
+
+
+class _Whole(nn.Module):
+    """The model as one stage: its keyword arguments from a dict batch, as a stage split by names takes them."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: Any) -> Any:
+        return self.model(**inputs) if isinstance(inputs, dict) else self.model(inputs)
 
 
 def first_microbatch(sample: Any, targets: Any, n_microbatches: int) -> tuple[Any, Any]:

@@ -86,9 +86,10 @@ class RankPlacement:
 
     def decide(self, model: nn.Module):
         """split_method="auto" / schedule="auto": the link between ranks 0 and 1 measured (`link_probe.py`), then
-        rank 0 measures the model and decides (`auto_choice.py`, interleaved schedules included), and every rank
-        receives its plan and applies its choice, so all build the same pipeline.  A failure on rank 0 is
-        raised on every rank with its words."""
+        every rank measures the model at once (so each core is timed under the load of the others, as in a step:
+        ranks sharing a machine share its memory bandwidth) and decides (`auto_choice.py`, interleaved schedules
+        included); every rank receives rank 0's plan and applies its choice, so all build the same pipeline.  A
+        failure on rank 0 is raised on every rank with its words."""
         if self.layout.tp > 1 or self.layout.dp > 1:
             raise ValueError("split_method='auto' and schedule='auto' decide for a plain pipeline (one stage per rank, "
                              "or two with an interleaved schedule); with tensor or data parallelism give the cut "
@@ -96,12 +97,11 @@ class RankPlacement:
         latency, bandwidth = measure_link(self.agreeing, self.device)
         decided: list = [None, None]
         failure = None
-        if dist.get_rank(self.agreeing) == 0:
-            try:
-                decided[0] = auto_choice.decide_options(model, self.options, self.layout.pp, interleave=True,
-                                                        latency=latency, bandwidth=bandwidth)
-            except Exception as error:  # every rank is waiting for the plan: tell them, then raise it here
-                failure, decided[1] = error, f"{type(error).__name__}: {error}"
+        try:
+            decided[0] = auto_choice.decide_options(model, self.options, self.layout.pp, interleave=True,
+                                                    latency=latency, bandwidth=bandwidth)
+        except Exception as error:  # the other ranks wait for rank 0's plan: tell them, then raise it here
+            failure, decided[1] = error, f"{type(error).__name__}: {error}"
         dist.broadcast_object_list(decided, group_src=0, group=self.agreeing)
         if failure is not None:
             raise failure
