@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/auto.py [--rounds 3] [--warmup 1] [--within 0.10] [--candidates 5]
                                         [--vocab 8192] [--batch 32] [--no-torch]
+    .venv/bin/python benchmarks/auto.py --mlp [--rounds 8]
 
 The model, batch and m are `benchmarks/your_model.py`'s: GPT2LMHeadModel(n_layer=8, n_embd=512, n_head=8,
 seq 128, vocab 8192, use_cache=False), eval mode, 32 x 128 tokens, m = 8 micro-batches of 4, one intra-op
@@ -20,6 +21,9 @@ candidate's predicted step against its measured makespan (pipelab's trace) and i
 of the choice (its wall step over the fastest measured candidate's); the choice against PyTorch's best and
 against pipelab's best named schedule at the time cut; and the loss and the gradients of the chosen
 pipeline against the single-device step (this rank's parameters, the tied embedding summed over both).
+
+`--mlp`: `vs_torch_pipelining.py`'s MLP instead (8 blocks of width 1024, batch 64, m = 8, MSE), pipelab's
+1F1B at the uniform cut (what a user would pick) against "auto": auto / 1F1B, target <= 1.02.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pipelab as pl  # noqa: E402
-from your_model import M, SPLIT, _barrier_timed, causal_lm_loss, make_batch, make_model  # noqa: E402
+from your_model import M, SPLIT, _barrier_timed, _cpu_pressure, causal_lm_loss, make_batch, make_model  # noqa: E402
 
 NAMED = ("gpipe", "1f1b", "zb-h1")
 
@@ -115,6 +119,25 @@ def on_rank(rounds: int, warmup: int, within: float, max_candidates: int, vocab:
             "chosen": plan.split_points(), "chosen_schedule": plan.chosen.schedule_name}
 
 
+def on_rank_mlp(rounds: int, warmup: int) -> dict:
+    """`vs_torch_pipelining.py`'s MLP (8 blocks of width 1024, batch 64, m = 8, MSE): pipelab's 1F1B at the
+    uniform cut (what a user would pick) against split_method="auto", schedule="auto"."""
+    model_auto = pl.models.mlp(depth=8, width=1024, seed=0)
+    x, y = pl.models.sample_batch(model_auto, 64, seed=1)
+    loss = torch.nn.functional.mse_loss
+    pipes = {"1f1b": (pl.DistributedPipeline(pl.models.mlp(depth=8, width=1024, seed=0), n_microbatches=M,
+                                             schedule="1f1b", loss_fn=loss), None),
+             "auto": (pl.DistributedPipeline(model_auto, n_microbatches=M, split_method="auto", schedule="auto",
+                                             sample=(x, y), loss_fn=loss), None)}
+    times = {label: [] for label in pipes}
+    for r in range(warmup + rounds):
+        for label in (list(pipes) if r % 2 == 0 else list(pipes)[::-1]):
+            seconds = _barrier_timed(lambda label=label: pipes[label][0].step(x, y), [])
+            if r >= warmup:
+                times[label].append(seconds)
+    return {"times": times, "plan": pipes["auto"][0].plan.table(4)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -125,24 +148,35 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--no-torch", action="store_true")
     parser.add_argument("--timeout", type=float, default=1800)
+    parser.add_argument("--mlp", action="store_true", help="only the MLP part: auto against 1F1B at the uniform cut")
     args = parser.parse_args()
+    if args.mlp:
+        first, second = pl.distributed.launch(on_rank_mlp, 2, max(args.rounds, 8), args.warmup, timeout_seconds=600)
+        wall = {label: statistics.median(max(a, b) for a, b in zip(first["times"][label], second["times"][label]))
+                for label in first["times"]}
+        print(f"MLP 8 x 1024, batch 64, m = {M}, 2 gloo ranks; CPU pressure {_cpu_pressure()}\n{first['plan']}\n")
+        print(f"step: 1F1B uniform {wall['1f1b'] * 1e3:.1f} ms, auto {wall['auto'] * 1e3:.1f} ms; "
+              f"auto / 1F1B {wall['auto'] / wall['1f1b']:.3f} (target <= 1.02)")
+        return
     first, second = pl.distributed.launch(on_rank, 2, args.rounds, args.warmup, args.within, args.candidates,
                                           args.vocab, args.batch, not args.no_torch, timeout_seconds=args.timeout)
     wall = {label: statistics.median(max(a, b) for a, b in zip(first["times"][label], second["times"][label]))
             for label in first["times"]}
     span = {label: statistics.median(values) for label, values in first["makespans"].items()}
     print(f"GPT-2 (8 x 512, vocab {args.vocab}), {args.batch} x 128 tokens, m = {M}, 2 gloo ranks; "
-          f"medians of {args.rounds} rounds")
+          f"medians of {args.rounds} rounds; CPU pressure (some task waiting for a CPU, last 60 s): {_cpu_pressure()}")
     print(f"link measured: latency {first['link'][0] * 1e6:.0f} us, bandwidth {first['link'][1] / 2**30:.2f} GiB/s; "
           f"decided (profile + price) and built in {first['decided_in']:.1f} s\n")
     print(first["plan"], "\n")
-    print(f"{'':<12} {'cut before':<34} {'schedule':<28} {'predicted':>9} {'makespan':>9} {'pred/meas':>9} {'step':>8}")
+    cut_width = max(len("(time cut)"), *(len(cut) for cut, _, _ in first["labels"].values()))
+    print(f"{'':<12} {'cut before':<{cut_width}} {'schedule':<28} {'predicted':>9} {'makespan':>9} {'pred/meas':>9} "
+          f"{'step':>8}")
     for label, (cut, schedule, predicted) in first["labels"].items():
-        print(f"{label:<12} {cut:<34} {schedule:<28} {predicted * 1e3:7.0f}ms {span[label] * 1e3:7.0f}ms "
+        print(f"{label:<12} {cut:<{cut_width}} {schedule:<28} {predicted * 1e3:7.0f}ms {span[label] * 1e3:7.0f}ms "
               f"{predicted / span[label]:9.3f} {wall[label] * 1e3:6.0f}ms")
     for label in [lab for lab in wall if not lab.startswith("candidate")]:
         extra = f"{span[label] * 1e3:7.0f}ms" if label in span else f"{'':>9}"
-        print(f"{label:<12} {'(time cut)' if label.startswith('time') else SPLIT:<34} {label.split()[1]:<28} "
+        print(f"{label:<12} {'(time cut)' if label.startswith('time') else SPLIT:<{cut_width}} {label.split()[1]:<28} "
               f"{'':>9} {extra} {'':>9} {wall[label] * 1e3:6.0f}ms")
     chosen = wall["candidate 0"]
     fastest = min(wall[label] for label in first["labels"])

@@ -7,7 +7,7 @@ A candidate is a cut of the model's pieces into stages (`piece_costs.PieceCosts`
 with F, B (or I and W for a schedule with W actions) summed over each stage's pieces, and each message
 taking latency + bytes / bandwidth.  The choice is the smallest prediction that fits the memory limit
 (each device's parameters, gradients, optimizer state and its schedule's activation peak,
-`budget.device_memory`).  The two are decided together because the best cut depends on the schedule:
+`budget.device_memory`); predictions within `TIE` of it are a tie, won by the least activation memory.  The two are decided together because the best cut depends on the schedule:
 under ZB-H1 the last stage defers its W's into what would be idle, so it can carry more than under
 1F1B; an interleaved schedule cuts the model in p·v stages, not p.
 
@@ -43,6 +43,9 @@ MAX_CUTS = 40
 """At most this many cuts per stage count (the most balanced first)."""
 SEARCHED = 3
 """`search_schedule` runs on this many of the best cuts (it costs a fraction of a second each)."""
+TIE = 0.005
+"""Predictions within this share of the fastest are a tie (the simulator is not that exact): the least
+activation memory wins it (GPipe and 1F1B predict the same step; 1F1B holds p micro-batches, not m)."""
 NAMED = ("gpipe", "1f1b", "zb-h1")
 SCHEDULES = (*NAMED, "interleaved", "search")
 """What schedule="auto" chooses among."""
@@ -58,6 +61,7 @@ class Candidate:
     schedule: Schedule = field(repr=False)
     costs: Costs = field(repr=False)
     predicted: float
+    peak: float = 0.0  # the largest device's predicted activation bytes (the counted rule, `predict/memory.py`)
     fits: bool = True
     needs: tuple | None = field(default=None, repr=False)
 
@@ -134,11 +138,12 @@ def decide(pieces: PieceCosts, n_devices: int, n_microbatches: int, *, cut: Sequ
 
     def price(bounds: tuple, name: str, schedule: Schedule, split: bool) -> Candidate:
         costs = pieces.stage_costs(list(bounds), split, **link)
-        predicted = simulate(schedule, costs, checkpoint).makespan
+        trace = simulate(schedule, costs, checkpoint)
+        peak = float(max(trace.peak_memory, default=0))
         if needs is None:
-            return Candidate(bounds, name, schedule, costs, predicted)
+            return Candidate(bounds, name, schedule, costs, trace.makespan, peak)
         held = tuple(needs(bounds, schedule, costs))
-        return Candidate(bounds, name, schedule, costs, predicted,
+        return Candidate(bounds, name, schedule, costs, trace.makespan, peak,
                          all(n.total_bytes <= lim for n, lim in zip(held, limits)), held)
 
     cuts = [tuple(cut)] if cut is not None else balanced_cuts(pieces.step_seconds(), p)
@@ -160,6 +165,10 @@ def decide(pieces: PieceCosts, n_devices: int, n_microbatches: int, *, cut: Sequ
         raise ValueError(f"nothing to decide among: schedules={list(schedules)} for {p} devices")
     order = {id(c): k for k, c in enumerate(found)}
     found.sort(key=lambda c: (not c.fits, round(c.predicted, 12), order[id(c)]))
+    level = [c for c in found if c.fits == found[0].fits and c.predicted <= found[0].predicted * (1 + TIE)]
+    first = min(level, key=lambda c: (c.peak, c.predicted, order[id(c)]))  # a tie goes to the least memory
+    found.remove(first)
+    found.insert(0, first)
     decided = ("cut and schedule" if cut is None and len(schedules) > 1 else "cut" if cut is None else "schedule")
     return AutoPlan(found, list(pieces.points), decided, p, checkpoint, time.perf_counter() - began,
                     (latency, bandwidth))
