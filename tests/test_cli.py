@@ -75,6 +75,26 @@ def test_run_trains_a_hugging_face_model_from_its_config_split_by_names(tmp_path
     assert found["losses"][0] == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
 
 
+@pytest.mark.parametrize("backend", ["local", "distributed"])
+def test_run_decides_the_cut_and_schedule_with_auto(tmp_path, backend):
+    """--split auto --schedule auto: the table lists the candidates priced, the chosen one first, and the run's
+    first loss is the plain model's (the decision changes where and when, not what is computed)."""
+    transformers = pytest.importorskip("transformers")
+    config = dict(n_layer=3, n_embd=32, n_head=2, vocab_size=256, n_positions=32)
+    found = _first_loss(tmp_path, ["--model", "transformers:gpt2", "--config", ",".join(f"{k}={v}" for k, v in
+                                   config.items()), "--split", "auto", "--schedule", "auto", "--stages", "2",
+                                   "--microbatches", "2", "--batch-size", "4", "--seq-len", "8", "--backend", backend])
+    assert found["decision"].startswith("decided: the cut and schedule, from ")
+    header, chosen = found["decision"].splitlines()[1:3]
+    cut = chosen[:header.index("schedule")].strip().split(", ")  # where the chosen stages 1, 2, ... begin
+    assert [stage.split(" ..")[0] for stage in found["stages"][1:]] == cut
+    assert found["schedule"].split()[0] in ("gpipe", "1f1b", "zb-h1", "search", "interleaved-1f1b")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config)).eval()
+    ids = torch.randint(0, 256, (4, 8), generator=torch.Generator().manual_seed(0))
+    assert found["losses"][0] == pytest.approx(model(input_ids=ids, labels=ids).loss.item(), rel=1e-5)
+
+
 def test_run_trains_the_model_a_factory_returns_with_the_single_devices_gradients(tmp_path):
     """One SGD step (lr 1) of a factory's padded batch: the parameters it saves are the single device's minus its
     gradients, so weighing micro-batches by samples (not by the tokens the model's own loss counts) would fail."""

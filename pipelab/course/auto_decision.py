@@ -1,8 +1,8 @@
 """Lesson 14's "let pipelab decide": a Hugging Face GPT-2 (from a config) cut and scheduled by
 `split_method="auto", schedule="auto"`, then its best candidates built and measured, predicted beside measured.
 
-    plan, rows = auto_choice.decide_and_measure()     # the plan (`pipe.plan`) and one row per candidate run
-    auto_choice.show(rows)                            # predicted and measured step of each candidate
+    plan, rows = auto_decision.decide_and_measure()     # the plan (`pipe.plan`) and one row per candidate run
+    auto_decision.show(rows)                            # predicted and measured step of each candidate
 
 Each candidate is its own `pl.Pipeline` on a fresh copy of the model (the same seed), the cut given as
 split points and the schedule as chosen; its measured step is the median makespan of `steps` steps after
