@@ -1,0 +1,71 @@
+"""PP × FSDP2 on a DeviceMesh (gloo, 4 ranks: dp=2 × pp=2): exact against one device.
+
+Reference: the plain single-device step on the whole batch, `loss_fn(model(x), y).backward()`, then
+one AdamW step, in the test process (no pipelab code).  Every rank returns its stage's gradients
+and parameters gathered from their shards (`DTensor.full_tensor()`); each replica must hold the
+single-device values of every parameter of its stage, for GPipe, 1F1B and ZB-H1 (the split
+backward: W after FSDP's hooks ran at I), with and without `reshard_after_forward`.  The batch of
+19 samples gives the two replicas uneven shares (10 and 9), so a replica's gradients must be
+weighted by its share before the reduce-scatter.  All cases run in one launch of 4 ranks.
+"""
+
+import pytest
+import torch
+
+import pipelab as pl
+
+import fsdp_cases as cases
+from fsdp_cases import BATCH, LAYOUT, make_model
+
+TOLERANCE = dict(rtol=1e-5, atol=1e-6)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+GRID = [("gpipe", 4, True), ("1f1b", 4, False), ("1f1b", 3, True), ("zb-h1", 4, True), ("zb-h1", 2, False)]
+
+
+def reference():
+    model = make_model()
+    x, y = pl.models.sample_batch(model, BATCH, seed=2)
+    loss = pl.models.default_loss(model)(model(x), y)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    cases.adamw(model.parameters()).step()
+    return loss.detach(), grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def test_pp2_fsdp2_equals_one_device_for_gpipe_1f1b_and_zb_h1():
+    per_rank = pl.distributed.launch(cases.run_sharded, LAYOUT.world_size, GRID, timeout_seconds=240)
+    assert {found["pipelab"] for found in per_rank} == {pl.__file__}
+    ref_loss, ref_grads, ref_after = reference()
+    for c, (schedule, m, reshard) in enumerate(GRID):
+        where = f"{schedule} m={m} reshard_after_forward={reshard}"
+        holders = {}  # parameter -> the ranks holding its gradient
+        for rank, found in enumerate(per_rank):
+            case = found["cases"][c]
+            assert case["coordinates"] == LAYOUT.coordinates(rank), where
+            torch.testing.assert_close(torch.tensor(case["loss"], dtype=ref_loss.dtype), ref_loss, **TOLERANCE,
+                                       msg=lambda e: f"{where} rank {rank} loss: {e}")
+            assert set(case["grads"]) == set(case["after"]), where
+            for name, grad in case["grads"].items():
+                holders.setdefault(name, []).append(rank)
+                torch.testing.assert_close(grad, ref_grads[name], **TOLERANCE,
+                                           msg=lambda e: f"{where} rank {rank} {name} gradient: {e}")
+                torch.testing.assert_close(case["after"][name], ref_after[name], **TOLERANCE,
+                                           msg=lambda e: f"{where} rank {rank} {name} after AdamW: {e}")
+        assert set(holders) == set(ref_grads), f"{where}: parameters without a gradient"
+        assert all(len(ranks) == LAYOUT.dp for ranks in holders.values()), where  # both replicas of its stage
+        # each replica holds half of its stage's parameters (the widths here split evenly)
+        for rank, found in enumerate(per_rank):
+            stage = LAYOUT.coordinates(rank)[1]
+            whole = sum(4 * ref_grads[n].numel() for n in ref_grads if n in found["cases"][c]["grads"])
+            assert found["cases"][c]["parameter_bytes"] * LAYOUT.dp == whole, f"{where} rank {rank} stage {stage}"
+    message = per_rank[0]["bad_shard"]
+    assert "shard='zero4'" in message and 'shard="fsdp"' in message and "shard=None" in message
+
+
+@pytest.mark.parametrize("settings, error, words", [
+    (dict(shard="zero4"), ValueError, "shard='zero4' is not a sharding"),
+    (dict(shard="fsdp", reshard_after_forward="yes"), TypeError, "reshard_after_forward must be True or False"),
+])
+def test_a_bad_shard_is_named_before_any_rank_starts(settings, error, words):
+    with pytest.raises(error, match=words):
+        pl.DistributedPipeline(make_model(), n_microbatches=2, loss_fn=torch.nn.MSELoss(), **settings)
