@@ -18,10 +18,17 @@ reduce-scatter, so the result is the whole batch's gradient exactly.
 
 Under a split backward the graph's weights are the *gathered* parameters, not the sharded ones
 the module holds between steps: `gathered_parameters` finds them (stable tensors FSDP reuses
-for every gather) for W to differentiate, and I does not reshard them before their W.
+for every gather) for W to differentiate, and W runs with them gathered (`gathered_for`).
+
+All-gathers per block and step: 1 with reshard_after_forward=False (kept from the first
+forward to the reduce-scatter); with True, one per forward, per backward (B or I) and per W:
+2m, or 3m on a stage with a split backward whose input needs a gradient (the first stage's I
+computes nothing, its W the whole backward: 2m).  One reduce-scatter per block and step.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 from torch import nn
@@ -47,16 +54,18 @@ def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
 class ShardedStages:
     """This rank's stages, fully sharded over `dp_mesh` (module docstring)."""
 
-    def __init__(self, stages: list[nn.Module], dp_mesh, reshard_after_forward: bool, splits_backward: bool):
+    def __init__(self, stages: list[nn.Module], dp_mesh, reshard_after_forward: bool):
         self.stages, self.reshard_after_forward = stages, reshard_after_forward
         self.gathered: dict[int, list[nn.Parameter]] = {}  # id(stage) -> its gathered parameters
-        # a split backward keeps the gathered weights from I to W; a whole one frees them as the forward did
-        self.reshard_after_backward = reshard_after_forward and not splits_backward
         for stage in stages:
-            for block in stage:
-                if any(True for _ in block.parameters()):
-                    fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+            blocks = [block for block in stage if any(True for _ in block.parameters())]
+            for block in blocks:
+                fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+            for k, block in enumerate(blocks):
+                # a backward gathers the block before, of the same micro-batch: FSDP's default looks it up in the
+                # order of every forward since the last reduce, where another micro-batch's block may come first
+                block.set_modules_to_backward_prefetch([blocks[k - 1] if k else block])
             for module in _fsdp_modules(stage):
                 module.set_force_sum_reduction_for_comms(True)  # a plain sum: each replica scales its own part
                 module.set_gradient_divide_factor(1.0)
@@ -65,8 +74,26 @@ class ShardedStages:
     def _accumulating(self, stage: FSDPModule) -> None:
         """Backwards that accumulate full gradients, not reduced, not the step's last (module docstring)."""
         stage.set_requires_gradient_sync(False)
-        stage.set_reshard_after_backward(self.reshard_after_backward)
+        stage.set_reshard_after_backward(self.reshard_after_forward)
         stage.set_is_last_backward(False)
+
+    def gathered_for(self, stage: FSDPModule, run: Callable) -> Callable:
+        """`run` (a W action) with `stage`'s weights gathered, then freed again (reshard_after_forward): the
+        graph I left holds the gathered tensors, whose storage a reshard since (after I, or a forward between
+        I and W) has freed."""
+        modules = _fsdp_modules(stage)
+
+        def run_gathered(*args):
+            for module in modules:
+                module.unshard()
+            try:
+                return run(*args)
+            finally:
+                if self.reshard_after_forward:
+                    for module in modules:
+                        module.reshard()
+
+        return run_gathered
 
     def gathered_parameters(self, stage: FSDPModule) -> list[nn.Parameter]:
         """The tensors `stage`'s weights are gathered into (what its autograd graph holds): every FSDP module of

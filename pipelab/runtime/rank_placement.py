@@ -32,7 +32,7 @@ from ..model.named_split import repeated_blocks
 from ..model.partition import Partition, balanced_bounds, named_block_costs, points_at, points_for, split
 from ..predict.budget import check_memory_budget
 from ..predict.layout import Layout
-from ..schedules.action import Action
+from ..schedules.action import Action, Kind
 from ..schedules.schedule import Schedule
 from . import clipping, comm_count, fingerprint, peers
 from .clock import ActionClock
@@ -327,8 +327,8 @@ class RankPlacement:
 def shard_stages(partition: Partition, stages: list[int], workers: dict[int, StageWorker], hybrid: HybridMesh,
                  shared: SharedParameters, reshard_after_forward: bool) -> ShardedStages:
     """shard="fsdp": this rank's stages fully sharded over "dp" (`fsdp_stages.py`); each worker differentiates
-    (split backward) and leaves out of its activation bytes the gathered weights, and fuses no accumulation
-    (FSDP accumulates into the gathered weights' `.grad` itself)."""
+    (split backward) and leaves out of its activation bytes the gathered weights, runs W with them gathered, and
+    fuses no accumulation (FSDP accumulates into the gathered weights' `.grad` itself)."""
     if hybrid.layout.tp > 1:
         raise ValueError('shard="fsdp" does not yet run with tensor parallelism (tensor_parallel > 1): use '
                          "tensor_parallel=1, or shard=None")
@@ -336,9 +336,10 @@ def shard_stages(partition: Partition, stages: list[int], workers: dict[int, Sta
         raise ValueError(f'shard="fsdp" does not yet run with parameters shared by stages on several ranks (tied: '
                          f"{', '.join(shared.ranks)}): their gradients are summed over those ranks before FSDP "
                          "reduce-scatters them; use shard=None")
-    splits = any(workers[s].splits_backward for s in stages)
-    sharded = ShardedStages([partition.stages[s] for s in stages], hybrid.mesh["dp"], reshard_after_forward, splits)
+    sharded = ShardedStages([partition.stages[s] for s in stages], hybrid.mesh["dp"], reshard_after_forward)
     for s in stages:
-        workers[s].use_parameters(sharded.gathered_parameters(partition.stages[s]))
-        workers[s].fusion = None
+        worker = workers[s]
+        worker.use_parameters(sharded.gathered_parameters(partition.stages[s]))
+        worker.fusion = None
+        worker.run[Kind.W] = sharded.gathered_for(partition.stages[s], worker.run[Kind.W])
     return sharded
