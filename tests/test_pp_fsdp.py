@@ -6,13 +6,15 @@ and parameters gathered from their shards (`DTensor.full_tensor()`); each replic
 single-device values of every parameter of its stage, for GPipe, 1F1B and ZB-H1 (the split
 backward: W after FSDP's hooks ran at I), with and without `reshard_after_forward`.  The batch of
 19 samples gives the two replicas uneven shares (10 and 9), so a replica's gradients must be
-weighted by its share before the reduce-scatter.  All cases run in one launch of 4 ranks.
+weighted by its share before the reduce-scatter.  The all-gathers and reduce-scatters each rank
+counted equal the closed forms of `predict/fsdp_formulas.py`.  All cases run in one launch of 4 ranks.
 """
 
 import pytest
 import torch
 
 import pipelab as pl
+from pipelab.predict.fsdp_formulas import fsdp_communication
 
 import fsdp_cases as cases
 from fsdp_cases import BATCH, LAYOUT, make_model
@@ -58,8 +60,33 @@ def test_pp2_fsdp2_equals_one_device_for_gpipe_1f1b_and_zb_h1():
             stage = LAYOUT.coordinates(rank)[1]
             whole = sum(4 * ref_grads[n].numel() for n in ref_grads if n in found["cases"][c]["grads"])
             assert found["cases"][c]["parameter_bytes"] * LAYOUT.dp == whole, f"{where} rank {rank} stage {stage}"
+    check_counts(per_rank)
     message = per_rank[0]["bad_shard"]
     assert "shard='zero4'" in message and 'shard="fsdp"' in message and "shard=None" in message
+
+
+def check_counts(per_rank):
+    """The all-gathers and reduce-scatters each rank's counter recorded in a step equal `fsdp_communication`:
+    per block with parameters, 1 or 2m gathers (3m on the second stage of ZB-H1: F, I and W each gather), one
+    reduce-scatter; each gather given the rank's half of the block, each reduce-scatter the whole gradient."""
+    bounds = pl.split(make_model(), LAYOUT.pp, "uniform").bounds
+    for c, (schedule, m, reshard) in enumerate(GRID):
+        for rank, found in enumerate(per_rank):
+            stage = LAYOUT.coordinates(rank)[1]
+            a, b = bounds[stage]
+            actions = 3 if schedule == "zb-h1" and stage > 0 else 2
+            expected = fsdp_communication(list(make_model())[a:b], LAYOUT.dp, m, reshard, actions)
+            for kind in ("fsdp_gather", "fsdp_reduce_scatter"):
+                seen = [size for k, _, size in found["cases"][c]["records"] if k == kind]
+                got = {"messages": len(seen), "bytes": sum(seen)}
+                want = {key: expected[kind][key] for key in got}
+                assert got == want, f"{schedule} m={m} reshard_after_forward={reshard} rank {rank} {kind}: " \
+                                    f"counted {got}, formula {want}"
+    # by hand, stage 0 (4 blocks of 16·16 + 16 = 272 float32 parameters, 1088 bytes; a rank holds 544), 1F1B m=3
+    # resharding: 4 blocks · 2 · 3 = 24 gathers of 544 bytes; 4 reduce-scatters given 1088 bytes each
+    assert fsdp_communication(list(make_model())[:4], 2, 3, True) == {
+        "fsdp_gather": {"messages": 24, "bytes": 24 * 544, "wire_bytes": 24 * 544},
+        "fsdp_reduce_scatter": {"messages": 4, "bytes": 4 * 1088, "wire_bytes": 4 * 544}}
 
 
 @pytest.mark.parametrize("settings, error, words", [
