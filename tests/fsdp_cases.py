@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 import pipelab as pl
 from pipelab.predict.layout import Layout
@@ -48,4 +49,9 @@ def run_sharded(cases: list[tuple]) -> dict:
                                shard="zero4")
     except ValueError as error:
         found["bad_shard"] = str(error)
+    try:  # rank 0 alone shards: every rank says so, before any sharding
+        pl.DistributedPipeline(make_model(), n_microbatches=2, loss_fn=torch.nn.MSELoss(), layout=LAYOUT,
+                               shard="fsdp" if dist.get_rank() == 0 else None)
+    except ValueError as error:
+        found["disagreeing"] = str(error)
     return found

@@ -63,6 +63,8 @@ def test_pp2_fsdp2_equals_one_device_for_gpipe_1f1b_and_zb_h1():
     check_counts(per_rank)
     message = per_rank[0]["bad_shard"]
     assert "shard='zero4'" in message and 'shard="fsdp"' in message and "shard=None" in message
+    for found in per_rank:
+        assert "shard, reshard_after_forward" in found["disagreeing"], found["disagreeing"]
 
 
 def check_counts(per_rank):

@@ -92,12 +92,13 @@ class DistributedPipeline(Engine):
         self.clock_offset, self.clock_error = placement.clock_offset, placement.clock_error
 
     def parameter_bytes(self) -> int:
-        """Bytes of the parameters this rank holds (its shards under tensor parallelism)."""
+        """Bytes of the parameters this rank holds (its shards under tensor parallelism or shard="fsdp")."""
         return sum(local_shard(p).numel() * p.element_size() for p in self.parameters())
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """{parameter name in `model`: its full gradient} for this rank's stage(s), on the CPU; under tensor
-        parallelism gathered over "tp" (a collective: call it on every rank), rows in the model's order."""
+        parallelism gathered over "tp", under shard="fsdp" over "dp" (a collective: call it on every rank), rows
+        in the model's order."""
         return full_gradients(self.model, self.row_orders)
 
     def count_communication(self) -> comm_count.CommunicationCounter:

@@ -92,8 +92,9 @@ class RankPlacement:
         workers."""
         options = self.options
         # the first communication: the ranks agree on the configuration (`fingerprint.py`)
-        fingerprint.agree(fingerprint.fields(schedule, options.n_microbatches, self.layout, model,
-                                             options.loss_normalization), self.agreeing, self.device)
+        sharding = {"shard, reshard_after_forward": f"{self.shard!r}, {self.reshard_after_forward}"}
+        fingerprint.agree({**fingerprint.fields(schedule, options.n_microbatches, self.layout, model,
+                                                options.loss_normalization), **sharding}, self.agreeing, self.device)
         if self.on_mesh:
             self.hybrid = HybridMesh.build(self.layout, dist.get_backend())
             self.group = self.hybrid.group("pp")
