@@ -115,11 +115,9 @@ class ShardedStages:
             states = fully_shard.state(stage)  # torch's pipelining reaches the same state (module docstring)
             groups = [group for state in states._state_ctx.all_states for group in state._fsdp_param_groups]
             with torch.no_grad():
-                for group in groups:
-                    for fsdp_param in group.fsdp_params:
-                        grad = fsdp_param.unsharded_param.grad if hasattr(fsdp_param, "_unsharded_param") else None
-                        if grad is not None:
-                            grad.mul_(weight)
+                for p in self.gathered[id(stage)]:
+                    if p.grad is not None:
+                        p.grad.mul_(weight)
             stage.set_requires_gradient_sync(True)
             stage.set_reshard_after_backward(True)
             stage.set_is_last_backward(True)

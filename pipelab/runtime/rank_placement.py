@@ -38,8 +38,8 @@ from . import clipping, comm_count, fingerprint, peers
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .exchange import StepExchange, StepRecord
-from .launcher import progress
 from .fsdp_stages import ShardedStages
+from .launcher import progress
 from .hybrid import HybridMesh, ScatterGatherTransport, all_reduce_gradients, check_plans, local_shard, parallelize
 from .loop import StageWorker, Transport
 from .memory_observer import MemoryObserver
