@@ -13,8 +13,10 @@ LAYOUT = Layout(dp=2, pp=2)
 LR = 1e-2
 
 
-def make_model():
-    return pl.models.mlp(depth=8, width=16, seed=1)
+def make_model(kind: str = "mlp"):
+    if kind == "mlp":
+        return pl.models.mlp(depth=8, width=16, seed=1)
+    return pl.models.tiny_gpt(n_layers=4, d_model=16, n_heads=4, vocab_size=32, seq_len=6, seed=1)
 
 
 def adamw(parameters):
@@ -22,12 +24,12 @@ def adamw(parameters):
 
 
 def run_sharded(cases: list[tuple]) -> dict:
-    """On every rank: per case (schedule, m, reshard_after_forward), two steps on PP2 × FSDP2 (the gradients of the
+    """On every rank: per case (model kind, schedule, m, reshard_after_forward), two steps on PP2 × FSDP2 (the gradients of the
     second, gathered, then one AdamW step: the parameters after it, gathered) and, with the communication
     counter on, that second step's records; and the error a bad shard= gives."""
     found = {"pipelab": pl.__file__, "cases": []}
-    for schedule, m, reshard in cases:
-        model = make_model()
+    for kind, schedule, m, reshard in cases:
+        model = make_model(kind)
         x, y = pl.models.sample_batch(model, BATCH, seed=2)
         pipe = pl.DistributedPipeline(model, n_microbatches=m, schedule=schedule, loss_fn=pl.models.default_loss(model),
                                       layout=LAYOUT, shard="fsdp", reshard_after_forward=reshard)

@@ -21,11 +21,12 @@ from fsdp_cases import BATCH, LAYOUT, make_model
 
 TOLERANCE = dict(rtol=1e-5, atol=1e-6)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-GRID = [("gpipe", 4, True), ("1f1b", 4, False), ("1f1b", 3, True), ("zb-h1", 4, True), ("zb-h1", 2, False)]
+GRID = [("mlp", "gpipe", 4, True), ("mlp", "1f1b", 4, False), ("mlp", "1f1b", 3, True), ("mlp", "zb-h1", 4, True),
+        ("mlp", "zb-h1", 2, False), ("gpt", "zb-h1", 4, True)]  # gpt: its W reads gathered weights
 
 
-def reference():
-    model = make_model()
+def reference(kind):
+    model = make_model(kind)
     x, y = pl.models.sample_batch(model, BATCH, seed=2)
     loss = pl.models.default_loss(model)(model(x), y)
     loss.backward()
@@ -37,9 +38,10 @@ def reference():
 def test_pp2_fsdp2_equals_one_device_for_gpipe_1f1b_and_zb_h1():
     per_rank = pl.distributed.launch(cases.run_sharded, LAYOUT.world_size, GRID, timeout_seconds=240)
     assert {found["pipelab"] for found in per_rank} == {pl.__file__}
-    ref_loss, ref_grads, ref_after = reference()
-    for c, (schedule, m, reshard) in enumerate(GRID):
-        where = f"{schedule} m={m} reshard_after_forward={reshard}"
+    references = {kind: reference(kind) for kind in ("mlp", "gpt")}
+    for c, (kind, schedule, m, reshard) in enumerate(GRID):
+        where = f"{kind} {schedule} m={m} reshard_after_forward={reshard}"
+        ref_loss, ref_grads, ref_after = references[kind]
         holders = {}  # parameter -> the ranks holding its gradient
         for rank, found in enumerate(per_rank):
             case = found["cases"][c]
@@ -51,11 +53,13 @@ def test_pp2_fsdp2_equals_one_device_for_gpipe_1f1b_and_zb_h1():
                 holders.setdefault(name, []).append(rank)
                 torch.testing.assert_close(grad, ref_grads[name], **TOLERANCE,
                                            msg=lambda e: f"{where} rank {rank} {name} gradient: {e}")
-                torch.testing.assert_close(case["after"][name], ref_after[name], **TOLERANCE,
-                                           msg=lambda e: f"{where} rank {rank} {name} after AdamW: {e}")
+                if kind == "mlp":  # gpt's key bias has a zero gradient up to rounding, which AdamW's g/√v
+                    # turns into steps of ±lr: its parameters after the step are compared on the mlp only
+                    torch.testing.assert_close(case["after"][name], ref_after[name], **TOLERANCE,
+                                               msg=lambda e: f"{where} rank {rank} {name} after AdamW: {e}")
         assert set(holders) == set(ref_grads), f"{where}: parameters without a gradient"
         assert all(len(ranks) == LAYOUT.dp for ranks in holders.values()), where  # both replicas of its stage
-        # each replica holds half of its stage's parameters (the widths here split evenly)
+        # each replica holds half of its stage's parameters (the first dimensions here split evenly)
         for rank, found in enumerate(per_rank):
             stage = LAYOUT.coordinates(rank)[1]
             whole = sum(4 * ref_grads[n].numel() for n in ref_grads if n in found["cases"][c]["grads"])
@@ -71,18 +75,19 @@ def check_counts(per_rank):
     """The all-gathers and reduce-scatters each rank's counter recorded in a step equal `fsdp_communication`:
     per block with parameters, 1 or 2m gathers (3m on the second stage of ZB-H1: F, I and W each gather), one
     reduce-scatter; each gather given the rank's half of the block, each reduce-scatter the whole gradient."""
-    bounds = pl.split(make_model(), LAYOUT.pp, "uniform").bounds
-    for c, (schedule, m, reshard) in enumerate(GRID):
+    for c, (kind, schedule, m, reshard) in enumerate(GRID):
+        blocks = list(make_model(kind))
+        bounds = pl.split(make_model(kind), LAYOUT.pp, "uniform").bounds
         for rank, found in enumerate(per_rank):
             stage = LAYOUT.coordinates(rank)[1]
             a, b = bounds[stage]
             actions = 3 if schedule == "zb-h1" and stage > 0 else 2
-            expected = fsdp_communication(list(make_model())[a:b], LAYOUT.dp, m, reshard, actions)
+            expected = fsdp_communication(blocks[a:b], LAYOUT.dp, m, reshard, actions)
             for kind in ("fsdp_gather", "fsdp_reduce_scatter"):
                 seen = [size for k, _, size in found["cases"][c]["records"] if k == kind]
                 got = {"messages": len(seen), "bytes": sum(seen)}
                 want = {key: expected[kind][key] for key in got}
-                assert got == want, f"{schedule} m={m} reshard_after_forward={reshard} rank {rank} {kind}: " \
+                assert got == want, f"{kind} {schedule} m={m} reshard_after_forward={reshard} rank {rank} {kind}: " \
                                     f"counted {got}, formula {want}"
     # by hand, stage 0 (4 blocks of 16·16 + 16 = 272 float32 parameters, 1088 bytes; a rank holds 544), 1F1B m=3
     # resharding: 4 blocks · 2 · 3 = 24 gathers of 544 bytes; 4 reduce-scatters given 1088 bytes each
