@@ -4,8 +4,10 @@
 which counts collectives but not their bytes): every `torch.distributed` call reaches the
 dispatcher as a `c10d` op and every DTensor collective as a `_c10d_functional` op, so the
 mode sees each one with its tensors and its process group.  A call is put in a kind by its
-group (and op): "pp", "pp_received", "pp_gather", "tp", "dp", "tied" (a shared parameter's
-gradient) or "other"; `label(kind)` puts every call inside it in `kind`.  A record's bytes are the payload the call was given, not
+group (and op): "pp", "pp_received", "pp_gather", "tp", "dp", "fsdp_gather" and
+"fsdp_reduce_scatter" (an all-gather or reduce-scatter on the data-parallel group: FSDP's,
+shard="fsdp"), "tied" (a shared parameter's gradient) or "other"; `label(kind)` puts every
+call inside it in `kind`.  A record's bytes are the payload the call was given, not
 what the algorithm puts on the wire.
 
 Details (what each kind holds, payload against wire bytes): docs/hybrid.md, "Counting
@@ -22,12 +24,16 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-KINDS = ("pp", "pp_received", "pp_gather", "tp", "dp", "tied", "other")
+KINDS = ("pp", "pp_received", "pp_gather", "tp", "dp", "fsdp_gather", "fsdp_reduce_scatter", "tied", "other")
 _labels = threading.local()
 
 # ops whose payload is their second argument (the first is the output)
 _INPUT_SECOND = {"allgather_", "_allgather_base_", "_reduce_scatter_base_", "reduce_scatter_", "allgather_into_tensor_coalesced_"}
 _IGNORED = {"wait_tensor", "_wrap_tensor_autograd", "barrier", "monitored_barrier_"}
+# on the data-parallel group, what FSDP calls (the plain data parallelism all-reduces)
+_ON_DP = {**dict.fromkeys(("allgather_", "_allgather_base_", "allgather_into_tensor_coalesced_",
+                             "all_gather_into_tensor"), "fsdp_gather"),
+          **dict.fromkeys(("_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor"), "fsdp_reduce_scatter")}
 
 
 @contextlib.contextmanager
@@ -115,6 +121,7 @@ class CommunicationCounter(TorchDispatchMode):
             kind = "pp_received"
         elif kind is None:
             kind = self.group_kinds.get(group, "other") if group and len(group) > 1 else "other"
+            kind = _ON_DP.get(op, kind) if kind == "dp" else kind
         self.records.append(Record(kind, op, size, elements, group))
 
     def totals(self) -> dict[str, dict[str, int]]:

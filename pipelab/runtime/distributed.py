@@ -52,6 +52,13 @@ class DistributedPipeline(Engine):
         tensor_parallel_plan: fn(block) -> a plan for `parallelize_module` (or None to replicate the block);
             default: pl.models' plans (`model/tp_plans.py`).
         layout: a `pl.Layout(dp=, pp=, tp=)` instead of the two numbers.
+        shard: None (each replica holds its stages whole; gradients all-reduced over "dp" after the step) or
+            "fsdp": each block of a stage wrapped with torch's `fully_shard` (FSDP2) on "dp", a replica keeping
+            1/d of the parameters, gradients and optimizer state; gradients reduce-scattered once per step
+            (`runtime/fsdp_stages.py`).  Not yet with tensor parallelism or tied parameters across stages.
+        reshard_after_forward: with shard="fsdp": True frees a block's gathered weights after each forward and
+            backward (gathered again for each micro-batch: 2m all-gathers per block per step); False keeps them
+            from the step's first forward to its end (one all-gather per block per step, the stage held whole).
         options: a `pl.PipelineOptions`; the keywords given beside it replace its fields.
         **settings: the options, by name: n_microbatches, schedule, loss_fn, ...  With a memory limit, a rank
             holds only its own stages, so the check before the first step counts parameters, gradients and
@@ -66,14 +73,14 @@ class DistributedPipeline(Engine):
             warnings.warn("DistributedPipeline(device=...) is now devices=..., as in pl.Pipeline", DeprecationWarning,
                           stacklevel=2)
             devices = where.device if devices is None else devices
-        hybrid = (layout is not None or where.tensor_parallel_plan is not None
+        hybrid = (layout is not None or where.tensor_parallel_plan is not None or where.shard is not None
                   or (where.data_parallel, where.tensor_parallel) != (1, 1))
         if hybrid and dist.is_available() and dist.is_initialized():
             if group is not None:
                 raise ValueError("a hybrid layout spans the whole world (its mesh); group= is for a plain pipeline")
             layout = resolve_layout(dist.get_world_size(), layout, where.data_parallel, where.tensor_parallel)
         self._start(model, self.options, RankPlacement(self.options, devices, group, layout, where.tensor_parallel_plan,
-                                                       hybrid))
+                                                       hybrid, where.shard, where.reshard_after_forward))
         placement = self.placement
         self.stages, self.layout = placement.stages, placement.layout
         self.device, self.threads, self.backend = placement.device, placement.threads, placement.backend
@@ -85,12 +92,13 @@ class DistributedPipeline(Engine):
         self.clock_offset, self.clock_error = placement.clock_offset, placement.clock_error
 
     def parameter_bytes(self) -> int:
-        """Bytes of the parameters this rank holds (its shards under tensor parallelism)."""
+        """Bytes of the parameters this rank holds (its shards under tensor parallelism or shard="fsdp")."""
         return sum(local_shard(p).numel() * p.element_size() for p in self.parameters())
 
     def gradients(self) -> dict[str, torch.Tensor]:
         """{parameter name in `model`: its full gradient} for this rank's stage(s), on the CPU; under tensor
-        parallelism gathered over "tp" (a collective: call it on every rank), rows in the model's order."""
+        parallelism gathered over "tp", under shard="fsdp" over "dp" (a collective: call it on every rank), rows
+        in the model's order."""
         return full_gradients(self.model, self.row_orders)
 
     def count_communication(self) -> comm_count.CommunicationCounter:

@@ -24,6 +24,7 @@ from ..model.partition import Partition
 from ..model.token_weights import NORMALIZATIONS
 from ..predict.layout import Layout
 from ..schedules.schedule import Schedule
+from .fsdp_stages import check_shard
 from .step import check_loss_fn, check_microbatch_count
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,7 +38,9 @@ class LocalPlacementArgs:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RankPlacementArgs:
     """`pl.DistributedPipeline`'s own parameters: this rank's device, its process group, and a hybrid layout on a
-    ("dp", "pp", "tp") DeviceMesh (`device` is `devices`' old name)."""
+    ("dp", "pp", "tp") DeviceMesh (`device` is `devices`' old name); `shard="fsdp"` shards each stage over the
+    data-parallel replicas with FSDP2, gathering a block's weights for each forward and backward
+    (`reshard_after_forward=True`) or once per step (`False`; `runtime/fsdp_stages.py`)."""
 
     devices: Any = None
     group: Any = None
@@ -46,6 +49,11 @@ class RankPlacementArgs:
     tensor_parallel_plan: Callable | None = None
     layout: Layout | None = None
     device: Any = None
+    shard: str | None = None
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        check_shard(self.shard, self.reshard_after_forward)
 
 
 LOCAL_PLACEMENT = tuple(f.name for f in dataclasses.fields(LocalPlacementArgs))

@@ -32,12 +32,13 @@ from ..model.named_split import repeated_blocks
 from ..model.partition import Partition, balanced_bounds, named_block_costs, points_at, points_for, split
 from ..predict.budget import check_memory_budget
 from ..predict.layout import Layout
-from ..schedules.action import Action
+from ..schedules.action import Action, Kind
 from ..schedules.schedule import Schedule
 from . import auto_choice, clipping, comm_count, fingerprint, peers
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .exchange import StepExchange, StepRecord
+from .fsdp_stages import ShardedStages
 from .launcher import progress
 from .link_probe import measure_link
 from .hybrid import HybridMesh, ScatterGatherTransport, all_reduce_gradients, check_plans, local_shard, parallelize
@@ -54,11 +55,13 @@ class RankPlacement:
     """Rank d of the pipeline's group runs device d of the schedule (module docstring)."""
 
     def __init__(self, options: PipelineOptions, devices: Any, group, layout: Layout | None,
-                 tensor_parallel_plan: Callable | None, hybrid: bool):
+                 tensor_parallel_plan: Callable | None, hybrid: bool, shard: str | None = None,
+                 reshard_after_forward: bool = True):
         if not (dist.is_available() and dist.is_initialized()):
             raise PipelineError("DistributedPipeline runs inside a process group: start it with torchrun "
                                 "(torchrun --nproc-per-node 2 -m pipelab.launch ...) or pl.distributed.launch(fn, 2)")
         self.options, self.plan_fn, self.hybrid, self.on_mesh = options, tensor_parallel_plan, None, hybrid
+        self.shard, self.reshard_after_forward, self.sharded = shard, reshard_after_forward, None
         agreeing = group if group is not None else dist.group.WORLD  # the ranks that compare their configuration
         # a plain pipeline is the layout (dp, pp, tp) = (1, world, 1), without a mesh
         self.layout = layout if layout is not None else Layout(pp=dist.get_world_size(agreeing))
@@ -117,8 +120,9 @@ class RankPlacement:
         workers."""
         options = self.options
         # the first communication: the ranks agree on the configuration (`fingerprint.py`)
-        fingerprint.agree(fingerprint.fields(schedule, options.n_microbatches, self.layout, model,
-                                             options.loss_normalization), self.agreeing, self.device)
+        sharding = {"shard, reshard_after_forward": f"{self.shard!r}, {self.reshard_after_forward}"}
+        fingerprint.agree({**fingerprint.fields(schedule, options.n_microbatches, self.layout, model,
+                                                options.loss_normalization), **sharding}, self.agreeing, self.device)
         if self.on_mesh:
             self.hybrid = HybridMesh.build(self.layout, dist.get_backend())
             self.group = self.hybrid.group("pp")
@@ -144,6 +148,9 @@ class RankPlacement:
             self.row_orders = parallelize(self.stages, partition, self.plan_fn, self.hybrid.mesh["tp"])
             for s in self.stages:  # the worker leaves its parameters' storages out of the activation bytes: the shards
                 workers[s].use_parameters([local_shard(p) for p in partition.stages[s].parameters()])
+        if self.shard == "fsdp":
+            self.sharded = shard_stages(partition, self.stages, workers, self.hybrid, self.shared,
+                                        self.reshard_after_forward)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
         return partition, workers
 
@@ -235,11 +242,15 @@ class RankPlacement:
         return mine, my_targets, weight
 
     def combine(self, result, weight: float):
-        """Data parallelism: grad <- Σ_r w_r · grad_r and the loss Σ_r w_r · loss_r over the replicas."""
+        """Data parallelism: grad <- Σ_r w_r · grad_r (all-reduced, or reduce-scattered into the shards under
+        FSDP) and the loss Σ_r w_r · loss_r over the replicas."""
+        if self.sharded is not None:
+            self.sharded.reduce_gradients(weight)
         if self.layout.dp == 1:
             return result
         dp_group = self.hybrid.group("dp")
-        all_reduce_gradients(self.parameters(), weight, dp_group)
+        if self.sharded is None:
+            all_reduce_gradients(self.parameters(), weight, dp_group)
         loss = torch.tensor([result.loss * weight], dtype=torch.float64, device=self.device)
         with comm_count.label("other"):
             dist.all_reduce(loss, group=dp_group)
@@ -277,6 +288,8 @@ class RankPlacement:
         self._for(schedule)[2].finish()
         if training:
             self.shared.all_reduce_gradients()
+        elif self.sharded is not None:  # the warm-up's gradients never count
+            self.sharded.drop_gradients()
 
     def gather(self, schedule: Schedule, clock: ActionClock, observer: MemoryObserver, transport: Transport,
                workers: dict[int, StageWorker]) -> tuple[dict[Action, list[float]], PlaceObserved]:
@@ -327,6 +340,9 @@ class RankPlacement:
         """The global norm over the whole model (every stage and rank, tensor-parallel shards combined,
         data-parallel replicas once, a parameter several ranks hold once: `SharedParameters.counted_here`), as
         `torch.nn.utils.clip_grad_norm_` on the single-device model (`runtime/clipping.py`); call it on every rank."""
+        if self.sharded is not None:
+            raise ValueError('clip_grad_norm_ does not yet run with shard="fsdp" (each replica holds a different '
+                             "shard of the gradients, which the norm would have to sum over the replicas)")
         parameters = self.parameters()
         with self.context():
             parts = clipping.local_part(self.shared.counted_here(parameters), norm_type,
@@ -335,3 +351,24 @@ class RankPlacement:
             norm = clipping.reduce_norm(parts, norm_type, [self.group, tp_group], self.device)
         clipping.scale(parameters, max_norm, norm)
         return norm
+
+
+def shard_stages(partition: Partition, stages: list[int], workers: dict[int, StageWorker], hybrid: HybridMesh,
+                 shared: SharedParameters, reshard_after_forward: bool) -> ShardedStages:
+    """shard="fsdp": this rank's stages fully sharded over "dp" (`fsdp_stages.py`); each worker differentiates
+    (split backward) and leaves out of its activation bytes the gathered weights, runs W with them gathered, and
+    fuses no accumulation (FSDP accumulates into the gathered weights' `.grad` itself)."""
+    if hybrid.layout.tp > 1:
+        raise ValueError('shard="fsdp" does not yet run with tensor parallelism (tensor_parallel > 1): use '
+                         "tensor_parallel=1, or shard=None")
+    if shared.ranks:
+        raise ValueError(f'shard="fsdp" does not yet run with parameters shared by stages on several ranks (tied: '
+                         f"{', '.join(shared.ranks)}): their gradients are summed over those ranks before FSDP "
+                         "reduce-scatters them; use shard=None")
+    sharded = ShardedStages([partition.stages[s] for s in stages], hybrid.mesh["dp"], reshard_after_forward)
+    for s in stages:
+        worker = workers[s]
+        worker.use_parameters(sharded.gathered_parameters(partition.stages[s]))
+        worker.fusion = None
+        worker.run[Kind.W] = sharded.gathered_for(partition.stages[s], worker.run[Kind.W])
+    return sharded
