@@ -135,7 +135,10 @@ def on_rank_mlp(rounds: int, warmup: int) -> dict:
             seconds = _barrier_timed(lambda label=label: pipes[label][0].step(x, y), [])
             if r >= warmup:
                 times[label].append(seconds)
-    return {"times": times, "plan": pipes["auto"][0].plan.table(4)}
+    plan = pipes["auto"][0].plan
+    engine = ", ".join(f"{family}: {o * 1e6:.0f} us an action, {lat * 1e6:.0f} us a message"
+                       for family, (o, lat) in plan.engine.items())
+    return {"times": times, "plan": plan.table(4) + f"\nthe engine measured: {engine}; {plan.link[1] / 2**30:.2f} GiB/s"}
 
 
 def main() -> None:

@@ -4,8 +4,9 @@ A candidate is a cut of the model's pieces into stages (`piece_costs.PieceCosts`
 
     predicted(cut, schedule) = simulate(schedule, stage_costs(cut), checkpoint).makespan
 
-with F, B (or I and W for a schedule with W actions) summed over each stage's pieces, and each message
-taking latency + bytes / bandwidth.  The choice is the smallest prediction that fits the memory limit
+with F, B (or I and W for a schedule with W actions) summed over each stage's pieces, each action
+longer by what the engine adds to it (`runtime/engine_costs.py`), and each message taking latency +
+bytes / bandwidth.  The choice is the smallest prediction that fits the memory limit
 (each device's parameters, gradients, optimizer state and its schedule's activation peak,
 `budget.device_memory`); predictions within `TIE` of it are a tie, won by the least activation memory.  The two are decided together because the best cut depends on the schedule:
 under ZB-H1 the last stage defers its W's into what would be idle, so it can carry more than under
@@ -78,6 +79,7 @@ class AutoPlan:
     checkpoint: str | list[bool] = "never"
     seconds: float = 0.0
     link: tuple[float, float] = (0.0, math.inf)  # (latency s, bandwidth B/s) the messages were priced with
+    engine: dict | None = None  # {family: (seconds added to every action, a message's latency)}, measured
 
     @property
     def chosen(self) -> Candidate:
@@ -118,14 +120,18 @@ class AutoPlan:
 
 def decide(pieces: PieceCosts, n_devices: int, n_microbatches: int, *, cut: Sequence[tuple[int, int]] | None = None,
            schedules: Sequence[str] = SCHEDULES, interleave: bool = False, latency: float = 0.0,
-           bandwidth: float = math.inf, checkpoint: str | list[bool] = "never",
+           bandwidth: float = math.inf, engine: dict[str, tuple[float, float]] | None = None,
+           checkpoint: str | list[bool] = "never",
            needs: Callable[[tuple, Schedule, Costs], list] | None = None,
            limits: Sequence[float] | None = None) -> AutoPlan:
     """The fastest candidate that fits (module docstring), and every other one priced.
 
     `cut`: a fixed cut (the stages' piece bounds; only the schedule is chosen), or None to choose it.
     `schedules`: the names to choose among (`SCHEDULES`; one name: only the cut is chosen).  `interleave`:
-    the placement runs several stages per device (interleaved 1F1B, v = 2, joins).  `needs(bounds,
+    the placement runs several stages per device (interleaved 1F1B, v = 2, joins).  `latency`, `bandwidth`: the
+    links; `engine`: {"whole" | "split" | "interleaved": (seconds the engine adds to every action, the latency
+    of its messages)}, as `runtime/engine_costs.py` measures them, overriding `latency` for that family of
+    schedules (more actions then cost more).  `needs(bounds,
     schedule, costs)`: each device's `DeviceMemory` (`budget.device_memory`), with `limits` its bytes.
     """
     began = time.perf_counter()
@@ -137,7 +143,7 @@ def decide(pieces: PieceCosts, n_devices: int, n_microbatches: int, *, cut: Sequ
     found: list[Candidate] = []
 
     def price(bounds: tuple, name: str, schedule: Schedule, split: bool) -> Candidate:
-        costs = pieces.stage_costs(list(bounds), split, **link)
+        costs = pieces.stage_costs(list(bounds), split, **{**link, **_engine_terms(engine, name, split)})
         trace = simulate(schedule, costs, checkpoint)
         peak = float(max(trace.peak_memory, default=0))
         if needs is None:
@@ -160,7 +166,7 @@ def decide(pieces: PieceCosts, n_devices: int, n_microbatches: int, *, cut: Sequ
         for c in ranked:
             if c.bounds not in searched and len(searched) < SEARCHED:
                 searched.append(c.bounds)
-                found.append(_searched(pieces, c, p, m, link, limits, price))
+                found.append(_searched(pieces, c, p, m, link, engine, limits, price))
     if not found:
         raise ValueError(f"nothing to decide among: schedules={list(schedules)} for {p} devices")
     order = {id(c): k for k, c in enumerate(found)}
@@ -171,13 +177,23 @@ def decide(pieces: PieceCosts, n_devices: int, n_microbatches: int, *, cut: Sequ
     found.insert(0, first)
     decided = ("cut and schedule" if cut is None and len(schedules) > 1 else "cut" if cut is None else "schedule")
     return AutoPlan(found, list(pieces.points), decided, p, checkpoint, time.perf_counter() - began,
-                    (latency, bandwidth))
+                    (latency, bandwidth), engine)
 
 
-def _searched(pieces: PieceCosts, near: Candidate, p: int, m: int, link: dict, limits, price) -> Candidate:
+def _engine_terms(engine: dict | None, name: str, split: bool) -> dict:
+    """{latency, overhead} for a candidate: its family's measured engine costs, or the given latency alone."""
+    if not engine:
+        return {}
+    family = "interleaved" if name.startswith("interleaved") else "split" if split else "whole"
+    overhead, measured = engine.get(family, engine["whole"])
+    return {"latency": measured, "overhead": overhead}
+
+
+def _searched(pieces: PieceCosts, near: Candidate, p: int, m: int, link: dict, engine, limits,
+              price) -> Candidate:
     """`search_schedule` on `near`'s cut with split backwards, under what the memory limit leaves the
     activations (the smallest over devices of limit - model state), priced like every other candidate."""
-    costs = pieces.stage_costs(list(near.bounds), True, **link)
+    costs = pieces.stage_costs(list(near.bounds), True, **{**link, **_engine_terms(engine, "search", True)})
     room = None
     if near.needs is not None:
         room = max(min(lim - n.model_state_bytes for n, lim in zip(near.needs, limits)), 0.0)

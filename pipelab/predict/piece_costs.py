@@ -43,8 +43,9 @@ class PieceCosts:
         return len(self.points) + 1
 
     def stage_costs(self, bounds: list[tuple[int, int]], split: bool, latency: float = 0.0,
-                    bandwidth: float = math.inf) -> Costs:
-        """The costs of the stages `bounds` (pieces a up to, not incl., b), whole or split backwards."""
+                    bandwidth: float = math.inf, overhead: float = 0.0) -> Costs:
+        """The costs of the stages `bounds` (pieces a up to, not incl., b), whole or split backwards, each action
+        `overhead` seconds longer (what the engine adds to every action: `runtime/engine_costs.py`)."""
         def total(costs: Costs, name: str) -> list[float]:
             values = getattr(costs, name)
             return [float(sum(values[a:b])) for a, b in bounds]
@@ -56,7 +57,11 @@ class PieceCosts:
                 first = bounds[0][1]
                 backward[0] = float(self.split.backward[0])
                 weight[0] = float(sum(self.whole.backward[:first])) - backward[0]
-        return Costs(forward=total(self.whole, "forward"), backward=backward, weight=weight, latency=latency,
+        def more(values):
+            return [v + overhead for v in values] if isinstance(values, list) else values
+
+        return Costs(forward=more(total(self.whole, "forward")), backward=more(backward),
+                     weight=more(weight), latency=latency,
                      bandwidth=bandwidth,
                      activation_bytes=[float(self.whole.activation_bytes[b - 1]) for _, b in bounds],
                      memory_bytes=total(self.whole, "memory_bytes"),

@@ -49,9 +49,11 @@ class Choice:
 
 
 def decide_options(model: nn.Module, options: PipelineOptions, n_devices: int, *, interleave: bool,
-                   latency: float = 0.0, bandwidth: float = math.inf) -> tuple[AutoPlan, Choice]:
+                   latency: float = 0.0, bandwidth: float = math.inf,
+                   engine: dict | None = None) -> tuple[AutoPlan, Choice]:
     """The decision for a pipeline of `n_devices` devices (module docstring) and its choice; `interleave`: the
-    placement can run two stages per device; `latency`, `bandwidth`: its links."""
+    placement can run two stages per device; `latency`, `bandwidth`: its links; `engine`: what its engine adds
+    to every action and message, per family of schedules (`engine_costs.py`)."""
     names = _schedules(options)
     inputs, targets = _first_microbatch(options)
     loss_fn = options.loss_fn if options.loss_fn is not None and targets is not None else _own_or_sum
@@ -79,7 +81,7 @@ def decide_options(model: nn.Module, options: PipelineOptions, n_devices: int, *
         return device_memory(stages, schedule, costs, state, options.checkpoint)
 
     plan = decide(pieces, n_devices, m, cut=cut, schedules=names, interleave=interleave, latency=latency,
-                  bandwidth=bandwidth, checkpoint=options.checkpoint, needs=None if limits is None else needs,
+                  bandwidth=bandwidth, engine=engine, checkpoint=options.checkpoint, needs=None if limits is None else needs,
                   limits=limits)
     chosen = plan.chosen
     schedule = chosen.schedule_name if chosen.schedule_name in NAMED else chosen.schedule

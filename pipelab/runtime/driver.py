@@ -33,6 +33,7 @@ from ..predict.memory import checkpoint_plan
 from ..schedules.inference import forward_only_like, generation
 from ..schedules.schedule import Schedule
 from ..schedules.warm_up import warm_up_like
+from . import engine_costs
 from .auto_choice import wants_decision
 from .clock import ActionClock
 from .loop import run_actions
@@ -64,8 +65,10 @@ class StepDriver:
         self.finite_checks = FiniteChecks(options.check_finite)
         self.plan = None  # what split_method="auto" / schedule="auto" decided (`runtime/auto_choice.py`)
         if wants_decision(options):
-            with placement.context():
-                self.plan, options = placement.decide(model)
+            with placement.context():  # the engine's own costs, measured on a twin placement over tiny blocks
+                engine = lambda n, families: engine_costs.measure(  # noqa: E731
+                    lambda m, o: StepDriver(m, o, placement.twin(o)), n, families)
+                self.plan, options = placement.decide(model, engine)
             self.options = options
         self.schedule = placement.resolve_schedule()
         self.n_stages, self.n_microbatches = self.schedule.n_stages, options.n_microbatches

@@ -19,7 +19,7 @@ does, the same way for every engine; it asks its *placement* only where things a
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
@@ -49,7 +49,8 @@ class Placement(Protocol):
 
     def context(self) -> contextlib.AbstractContextManager: ...
     def resolve_schedule(self, n_microbatches: int | None = None) -> Schedule: ...
-    def decide(self, model: nn.Module) -> tuple[Any, PipelineOptions]: ...
+    def decide(self, model: nn.Module, engine: Callable[..., dict]) -> tuple[Any, PipelineOptions]: ...
+    def twin(self, options: PipelineOptions) -> "Placement": ...
     def build(self, model: nn.Module, schedule: Schedule,
               checkpoint: list[bool]) -> tuple[Partition, dict[int, StageWorker]]: ...
     def check_plain(self, what: str) -> None: ...
@@ -85,12 +86,18 @@ class LocalPlacement:
         m = self.options.n_microbatches if n_microbatches is None else n_microbatches
         return resolve_schedule(self.options.schedule, m, n_stages=self.n_stages)
 
-    def decide(self, model: nn.Module) -> tuple[Any, PipelineOptions]:
-        """split_method="auto" / schedule="auto": measure here, decide for one device per stage (in-process
-        hand-overs: free links), and take the choice (`auto_choice.py`)."""
-        plan, choice = auto_choice.decide_options(model, self.options, self.n_stages, interleave=False)
+    def decide(self, model: nn.Module, engine: Callable[..., dict]) -> tuple[Any, PipelineOptions]:
+        """split_method="auto" / schedule="auto": the engine's own cost per action measured (`engine(p, families)`,
+        `engine_costs.py`), the model measured here, decided for one device per stage (in-process hand-overs:
+        free links), and the choice taken (`auto_choice.py`)."""
+        plan, choice = auto_choice.decide_options(model, self.options, self.n_stages, interleave=False,
+                                                  engine=engine(self.n_stages, ("whole", "split")))
         self.options = auto_choice.apply(choice, model, self.options)
         return plan, self.options
+
+    def twin(self, options: PipelineOptions) -> "LocalPlacement":
+        """A placement of the same stages and devices for other options (`engine_costs.py` runs one)."""
+        return LocalPlacement(options, self.n_stages, self.requested)
 
     def build(self, model: nn.Module, schedule: Schedule,
               checkpoint: list[bool]) -> tuple[Partition, dict[int, StageWorker]]:

@@ -34,7 +34,7 @@ from ..predict.budget import check_memory_budget
 from ..predict.layout import Layout
 from ..schedules.action import Action, Kind
 from ..schedules.schedule import Schedule
-from . import auto_choice, clipping, comm_count, fingerprint, peers
+from . import auto_choice, clipping, comm_count, engine_costs, fingerprint, peers
 from .clock import ActionClock
 from .clock_sync import estimate_offset
 from .exchange import StepExchange, StepRecord
@@ -87,9 +87,14 @@ class RankPlacement:
         m = self.options.n_microbatches if n_microbatches is None else n_microbatches
         return resolve_schedule(self.options.schedule, m, n_devices=self.layout.pp)
 
-    def decide(self, model: nn.Module):
-        """split_method="auto" / schedule="auto": the link between ranks 0 and 1 measured (`link_probe.py`), then
-        every rank measures the model at once (so each core is timed under the load of the others, as in a step:
+    def twin(self, options: PipelineOptions) -> "RankPlacement":
+        """A plain placement on the same ranks and device for other options (`engine_costs.py` runs one)."""
+        return RankPlacement(options, self.device, self.group, None, None, False)
+
+    def decide(self, model: nn.Module, engine: Callable[..., dict]):
+        """split_method="auto" / schedule="auto": what the engine adds to each action and message measured by
+        running it over tiny blocks (`engine(p, families)`, `engine_costs.py`), the link's bandwidth between ranks 0 and 1
+        (`link_probe.py`), then every rank measures the model at once (so each core is timed under the load of the others, as in a step:
         ranks sharing a machine share its memory bandwidth) and decides (`auto_choice.py`, interleaved schedules
         included); every rank receives rank 0's plan and applies its choice, so all build the same pipeline.  A
         failure on rank 0 is raised on every rank with its words."""
@@ -97,12 +102,13 @@ class RankPlacement:
             raise ValueError("split_method='auto' and schedule='auto' decide for a plain pipeline (one stage per rank, "
                              "or two with an interleaved schedule); with tensor or data parallelism give the cut "
                              "('uniform', 'params' or a Partition) and a schedule name")
+        measured = engine(self.layout.pp, engine_costs.FAMILIES)  # the engine's own costs, over tiny blocks
         latency, bandwidth = measure_link(self.agreeing, self.device)
         decided: list = [None, None]
         failure = None
         try:
             decided[0] = auto_choice.decide_options(model, self.options, self.layout.pp, interleave=True,
-                                                    latency=latency, bandwidth=bandwidth)
+                                                    latency=latency, bandwidth=bandwidth, engine=measured)
         except Exception as error:  # the other ranks wait for rank 0's plan: tell them, then raise it here
             failure, decided[1] = error, f"{type(error).__name__}: {error}"
         dist.broadcast_object_list(decided, group_src=0, group=self.agreeing)
