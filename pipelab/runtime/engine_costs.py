@@ -11,8 +11,8 @@ placement, over a model of tiny Linear blocks with m = 8, once per family of sch
     latency   L = the L for which simulate(that schedule, every action o long, latency L) gives the
                   measured makespan (the median of `steps` steps after 2; bisection: it grows with L)
 
-The local engine's timeline replays each action's time on one clock per stage, so there L is about 0 (what
-is left: the actions' spread around their median).
+The local engine hands messages over in-process and replays each action's time on one clock per stage: its
+placement takes L = 0 (a fit there would only read the actions' spread around their median).
 Pricing a candidate adds its family's o to each of its actions and takes its L as the links' latency:
 a schedule with more actions (interleaving doubles them) pays for them, as it does when it runs.
 """

@@ -90,8 +90,9 @@ class LocalPlacement:
         """split_method="auto" / schedule="auto": the engine's own cost per action measured (`engine(p, families)`,
         `engine_costs.py`), the model measured here, decided for one device per stage (in-process hand-overs:
         free links), and the choice taken (`auto_choice.py`)."""
+        measured = engine(self.n_stages, ("whole", "split"))  # in-process hand-overs: no message latency
         plan, choice = auto_choice.decide_options(model, self.options, self.n_stages, interleave=False,
-                                                  engine=engine(self.n_stages, ("whole", "split")))
+                                                  engine={family: (o, 0.0) for family, (o, _) in measured.items()})
         self.options = auto_choice.apply(choice, model, self.options)
         return plan, self.options
 
