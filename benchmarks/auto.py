@@ -115,7 +115,7 @@ def on_rank(rounds: int, warmup: int, within: float, max_candidates: int, vocab:
     grads = {n: p.grad.clone() for n, p in chosen_model.named_parameters(remove_duplicate=False)
              if p.device.type != "meta" and p.grad is not None}
     return {"rank": rank, "times": times, "makespans": makespans, "labels": labels, "plan": str(plan.table(10)),
-            "link": plan.link, "decided_in": decided_in, "loss": results["candidate 0"].loss, "grads": grads,
+            "link": plan.link, "engine": plan.engine, "decided_in": decided_in, "loss": results["candidate 0"].loss, "grads": grads,
             "chosen": plan.split_points(), "chosen_schedule": plan.chosen.schedule_name}
 
 
@@ -168,8 +168,10 @@ def main() -> None:
     span = {label: statistics.median(values) for label, values in first["makespans"].items()}
     print(f"GPT-2 (8 x 512, vocab {args.vocab}), {args.batch} x 128 tokens, m = {M}, 2 gloo ranks; "
           f"medians of {args.rounds} rounds; CPU pressure (some task waiting for a CPU, last 60 s): {_cpu_pressure()}")
-    print(f"link measured: latency {first['link'][0] * 1e6:.0f} us, bandwidth {first['link'][1] / 2**30:.2f} GiB/s; "
-          f"decided (profile + price) and built in {first['decided_in']:.1f} s\n")
+    engine = ", ".join(f"{family} {o * 1e6:.0f} us an action, {lat * 1e6:.0f} us a message"
+                       for family, (o, lat) in first["engine"].items())
+    print(f"link probed: latency {first['link'][0] * 1e6:.0f} us, bandwidth {first['link'][1] / 2**30:.2f} GiB/s; "
+          f"the engine measured: {engine}; decided (profile + price) and built in {first['decided_in']:.1f} s\n")
     print(first["plan"], "\n")
     cut_width = max(len("(time cut)"), *(len(cut) for cut, _, _ in first["labels"].values()))
     print(f"{'':<12} {'cut before':<{cut_width}} {'schedule':<28} {'predicted':>9} {'makespan':>9} {'pred/meas':>9} "

@@ -131,8 +131,8 @@ def decide(pieces: PieceCosts, n_devices: int, n_microbatches: int, *, cut: Sequ
     the placement runs several stages per device (interleaved 1F1B, v = 2, joins).  `latency`, `bandwidth`: the
     links; `engine`: {"whole" | "split" | "interleaved": (seconds the engine adds to every action, the latency
     of its messages)}, as `runtime/engine_costs.py` measures them, overriding `latency` for that family of
-    schedules (more actions then cost more).  `needs(bounds,
-    schedule, costs)`: each device's `DeviceMemory` (`budget.device_memory`), with `limits` its bytes.
+    schedules (more actions then cost more).  `needs(bounds, schedule, costs)`: each device's `DeviceMemory`
+    (`budget.device_memory`), with `limits` its bytes.
     """
     began = time.perf_counter()
     unknown = [s for s in schedules if s not in SCHEDULES]
@@ -200,7 +200,7 @@ def _searched(pieces: PieceCosts, near: Candidate, p: int, m: int, link: dict, e
     try:
         found = search_schedule(p, m, costs, room, exact=False)
     except ValueError:  # not even one micro-batch per stage fits: the named ones say so already
-        return Candidate(near.bounds, "search", near.schedule, near.costs, math.inf, False, near.needs)
+        return Candidate(near.bounds, "search", near.schedule, near.costs, math.inf, fits=False, needs=near.needs)
     return price(near.bounds, f"search ({found.meta['found_by']})", found, split=True)
 
 

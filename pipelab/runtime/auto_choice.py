@@ -2,15 +2,15 @@
 into the concrete options the rest of the engine runs — a cut (split points, or a `Partition` of an
 `nn.Sequential`) and a schedule (a name, or the interleaved or searched `Schedule` itself).
 
-    decide(model, options, n_devices, ...)  ->  (AutoPlan, Choice)      where it is measured (rank 0)
-    apply(choice, model, options)           ->  the options with it       on every rank
+    decide_options(model, options, n_devices, ...)  ->  (AutoPlan, Choice)   where it is measured
+    apply(choice, model, options)                   ->  the options with it    on every rank
 
 What is measured: one micro-batch of `sample` (the first of the whole batch), through every piece
 (`predict/piece_costs.py`): the blocks of an `nn.Sequential`, or a model split by names before every
 place `model/cut_points.py` finds.  With split_method="auto" the cut is chosen among those places; with
 only schedule="auto" the user's cut ("uniform", "params", "time", split points, a Partition) is
-measured as it is and only the schedule is chosen.  On ranks, rank 0 measures and decides, every rank
-receives the plan (`RankPlacement.decide`), so every rank builds the same pipeline.
+measured as it is and only the schedule is chosen.  On ranks, every rank measures at once and rank 0's
+plan goes to every rank (`RankPlacement.decide`), so every rank builds the same pipeline.
 """
 
 from __future__ import annotations

@@ -93,11 +93,11 @@ class RankPlacement:
 
     def decide(self, model: nn.Module, engine: Callable[..., dict]):
         """split_method="auto" / schedule="auto": what the engine adds to each action and message measured by
-        running it over tiny blocks (`engine(p, families)`, `engine_costs.py`), the link's bandwidth between ranks 0 and 1
-        (`link_probe.py`), then every rank measures the model at once (so each core is timed under the load of the others, as in a step:
-        ranks sharing a machine share its memory bandwidth) and decides (`auto_choice.py`, interleaved schedules
-        included); every rank receives rank 0's plan and applies its choice, so all build the same pipeline.  A
-        failure on rank 0 is raised on every rank with its words."""
+        running it over tiny blocks (`engine(p, families)`, `engine_costs.py`), the link's bandwidth between
+        ranks 0 and 1 (`link_probe.py`), then every rank measures the model at once (each core timed under the
+        others' load, as in a step: ranks sharing a machine share its memory bandwidth) and decides
+        (`auto_choice.py`, interleaved schedules included); every rank receives rank 0's plan and applies its
+        choice, so all build the same pipeline.  A failure on rank 0 is raised on every rank with its words."""
         if self.layout.tp > 1 or self.layout.dp > 1:
             raise ValueError("split_method='auto' and schedule='auto' decide for a plain pipeline (one stage per rank, "
                              "or two with an interleaved schedule); with tensor or data parallelism give the cut "
