@@ -15,6 +15,19 @@ its gradient reduce-scattered.  In a pipeline stage with m micro-batches, per bl
 Bytes: an all-gather is given the rank's shard, P/d (what `runtime/comm_count.py` records) and
 receives the other ranks' shards, P·(d−1)/d; a reduce-scatter is given the full gradient, P,
 and sends P·(d−1)/d of it.
+
+Model states per rank between steps (ZeRO §5, Figure 1), for P bytes of a stage's parameters and
+an optimizer keeping `states` tensors the size of each parameter (AdamW: exp_avg, exp_avg_sq, 2):
+
+    ZeRO stage     parameters   gradients   optimizer states
+    0 (DP)         P            P           states·P
+    1 (os)         P            P           states·P/d
+    2 (os+g)       P            P/d         states·P/d
+    3 (os+g+p)     P/d          P/d         states·P/d          FSDP2's fully_shard: shard="fsdp"
+
+Inside a step, pipelab (as torch's pipelining) accumulates each micro-batch's *full* gradient
+and reduce-scatters once at the end, so a stage holds P of gradients until then, whatever the
+stage: the reason DeepSpeed's pipeline engine refuses ZeRO-2 and -3.
 """
 
 from __future__ import annotations
@@ -42,3 +55,20 @@ def fsdp_communication(blocks: list[nn.Module], d: int, n_microbatches: int, res
     return {"fsdp_gather": {"messages": gathers * len(blocks), "bytes": gathers * shards,
                             "wire_bytes": gathers * shards * (d - 1)},
             "fsdp_reduce_scatter": {"messages": len(blocks), "bytes": d * shards, "wire_bytes": shards * (d - 1)}}
+
+
+ZERO_STAGES = (0, 1, 2, 3)
+
+
+def state_bytes_per_rank(blocks: list[nn.Module], d: int, zero: int, states: int = 2) -> dict[str, int]:
+    """{"parameters", "gradients", "optimizer"}: the bytes one of d replicas keeps between steps for the stage
+    made of `blocks` under ZeRO stage `zero` (module docstring's table); a sharded part is P/d with FSDP2's
+    padding (`sharded_bytes`); `states` tensors per parameter in the optimizer (2: Adam/AdamW; 0: SGD).
+    Leaves out what FSDP2 and the optimizer add per tensor (a step count each: a few bytes)."""
+    if zero not in ZERO_STAGES:
+        raise ValueError(f"zero={zero!r}: ZeRO's stages are 0 (none), 1 (optimizer states), 2 (+ gradients), "
+                         "3 (+ parameters)")
+    whole = sum(p.numel() * p.element_size() for b in blocks for p in b.parameters())
+    shard = sum(sharded_bytes(b, d) for b in blocks)
+    return {"parameters": shard if zero >= 3 else whole, "gradients": shard if zero >= 2 else whole,
+            "optimizer": states * (shard if zero >= 1 else whole)}
