@@ -108,10 +108,17 @@ def _described(batch: Any) -> dict[str, tuple[str, ...]]:
             else (type(leaf).__name__, f"value {leaf!r}") for path, leaf in flat}
 
 
+def _sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor: a shard of the parameter (shard="fsdp"), which export cannot mix with the inputs' tensors."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 @contextlib.contextmanager
 def _stand_ins(model: nn.Module, devices: dict):
     """Inside the block, each parameter or buffer of `model` that is no longer where `devices` saw it (moved to
-    a rank's device, or freed to "meta") is replaced by an uninitialised tensor of its shape and dtype there
+    a rank's device, or freed to "meta") or is now sharded (a DTensor, of its whole shape) is replaced by an uninitialised tensor of its shape and dtype there
     (one per tensor: a tied weight stays one); on leaving, the model's own are back."""
     swapped, made = [], {}
     try:
@@ -119,7 +126,7 @@ def _stand_ins(model: nn.Module, devices: dict):
             for table in (module._parameters, module._buffers):
                 for name, tensor in list(table.items()):
                     device = devices.get((id(module), name))
-                    if tensor is None or device is None or tensor.device == device:
+                    if tensor is None or device is None or (tensor.device == device and not _sharded(tensor)):
                         continue
                     if id(tensor) not in made:
                         empty = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)

@@ -5,7 +5,8 @@ default; max |g| for q = inf).  A pipeline holds the parameters on several stage
 each rank adds up its own part and the parts are summed over the pipeline's ranks; under tensor
 parallelism a sharded gradient's part is summed over the "tp" ranks too, while a replicated one
 (a LayerNorm's weight, held whole by every tp rank) counts on tp rank 0 only; data-parallel
-replicas hold the same gradients after their all-reduce, so they are counted once, and so is a
+replicas hold the same gradients after their all-reduce, so they are counted once (under shard="fsdp"
+each holds its shard, as FSDP2's own clipping sums them over "dp"), and so is a
 parameter several pipeline ranks hold (a tied embedding, whole on each after its all-reduce: counted on
 the lowest of them, `SharedParameters.counted_here`).  Then every
 gradient is scaled by min(1, max_norm / (norm + 1e-6)), torch's own rule.  Clipping stage by
@@ -37,8 +38,9 @@ def _part(grad: torch.Tensor, norm_type: float) -> float:
     return float(local.abs().pow(norm_type).sum())
 
 
-def local_part(parameters: list[torch.Tensor], norm_type: float, tp_index: int = 0) -> tuple[float, float]:
-    """This rank's contribution: (over sharded gradients, over whole ones it counts): a sum of |g|^q, or a max."""
+def local_part(parameters: list[torch.Tensor], norm_type: float, counts_whole: bool = True) -> tuple[float, float]:
+    """This rank's contribution: (over sharded gradients, over whole ones it counts): a sum of |g|^q, or a max;
+    a whole (replicated) gradient counts on one rank of those that hold it alike (`counts_whole`)."""
     sharded, whole = [], []
     for p in parameters:
         if p.grad is None:
@@ -46,7 +48,7 @@ def local_part(parameters: list[torch.Tensor], norm_type: float, tp_index: int =
         is_shard = isinstance(p.grad, DTensor) and any(placement.is_shard() for placement in p.grad.placements)
         if is_shard:
             sharded.append(_part(p.grad, norm_type))
-        elif tp_index == 0:
+        elif counts_whole:
             whole.append(_part(p.grad, norm_type))
     def combine(values: list[float]) -> float:
         return max(values, default=0.0) if math.isinf(norm_type) else sum(values)
@@ -55,13 +57,15 @@ def local_part(parameters: list[torch.Tensor], norm_type: float, tp_index: int =
 
 
 def reduce_norm(parts: tuple[float, float], norm_type: float, groups: list, device: torch.device) -> float:
-    """The global norm from every rank's (sharded, whole) parts, reduced over the tensor-parallel group (shards
-    add up; a whole gradient counted on tp rank 0 only), then over the pipeline's (`groups`: [pp, tp or None])."""
+    """The global norm from every rank's (sharded, whole) parts, reduced over the groups whose ranks hold
+    different shards (tensor-parallel "tp"; data-parallel "dp" under shard="fsdp": shards add up, a whole
+    gradient counted on one rank of them), then over the pipeline's (`groups`: [pp, then any others or None])."""
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    pp_group, tp_group = groups
+    pp_group, *shard_groups = groups
     both = torch.tensor(parts, dtype=torch.float64, device=device)
-    if tp_group is not None:
-        dist.all_reduce(both, op=op, group=tp_group)
+    for group in shard_groups:
+        if group is not None:
+            dist.all_reduce(both, op=op, group=group)
     dist.all_reduce(both, op=op, group=pp_group)
     if math.isinf(norm_type):
         return float(both.max())

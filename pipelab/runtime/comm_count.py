@@ -7,7 +7,8 @@ mode sees each one with its tensors and its process group.  A call is put in a k
 group (and op): "pp", "pp_received", "pp_gather", "tp", "dp", "fsdp_gather" and
 "fsdp_reduce_scatter" (an all-gather or reduce-scatter on the data-parallel group: FSDP's,
 shard="fsdp"), "tied" (a shared parameter's gradient) or "other"; `label(kind)` puts every
-call inside it in `kind`.  A record's bytes are the payload the call was given, not
+call inside it in `kind`.  The loop runs each action inside `during(action)`, so a record also
+says the action, and the micro-batch, that issued it (`per_microbatch`).  A record's bytes are the payload the call was given, not
 what the algorithm puts on the wire.
 
 Details (what each kind holds, payload against wire bytes): docs/hybrid.md, "Counting
@@ -47,6 +48,18 @@ def label(kind: str):
         _labels.kind = previous
 
 
+@contextlib.contextmanager
+def during(action):
+    """Mark the communication issued inside as `action`'s (the loop runs each action in one): a record then
+    says which action and micro-batch it was issued in (`Record.action`, `Record.microbatch`)."""
+    previous = getattr(_labels, "action", None)
+    _labels.action = action
+    try:
+        yield
+    finally:
+        _labels.action = previous
+
+
 @dataclass(frozen=True)
 class Record:
     kind: str
@@ -54,6 +67,8 @@ class Record:
     bytes: int
     elements: int
     group: frozenset | None = None  # its global ranks
+    action: str | None = None  # the action it was issued in ("1F3"), None outside every action (after the step)
+    microbatch: int | None = None  # that action's micro-batch
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -122,7 +137,9 @@ class CommunicationCounter(TorchDispatchMode):
         elif kind is None:
             kind = self.group_kinds.get(group, "other") if group and len(group) > 1 else "other"
             kind = _ON_DP.get(op, kind) if kind == "dp" else kind
-        self.records.append(Record(kind, op, size, elements, group))
+        action = getattr(_labels, "action", None)
+        self.records.append(Record(kind, op, size, elements, group, None if action is None else str(action),
+                                   None if action is None else action.microbatch))
 
     def totals(self) -> dict[str, dict[str, int]]:
         """{kind: {"messages", "bytes", "elements"}} for every kind (zeros where nothing was seen)."""
@@ -133,3 +150,16 @@ class CommunicationCounter(TorchDispatchMode):
             found[record.kind]["elements"] += record.elements
         return {kind: {key: found[kind][key] for key in ("messages", "bytes", "elements")} for kind in KINDS}
 
+
+    def per_microbatch(self, kind: str) -> dict[int | None, dict[str, int]]:
+        """{micro-batch: {"messages", "bytes"}} of `kind`'s records, by the micro-batch of the action that issued
+        them (None: outside every action, e.g. FSDP's reduce-scatter after the step's last backward)."""
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r} is not one of {KINDS}")
+        found: dict[int | None, dict[str, int]] = {}
+        for record in self.records:
+            if record.kind == kind:
+                entry = found.setdefault(record.microbatch, {"messages": 0, "bytes": 0})
+                entry["messages"] += 1
+                entry["bytes"] += record.bytes
+        return found

@@ -47,6 +47,24 @@ def check_shard(shard, reshard_after_forward) -> None:
         raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
 
 
+def sharding_units(stage: nn.Module) -> list[nn.Module]:
+    """The blocks of a stage that FSDP gathers one at a time: a `Sequential`'s blocks; none for a stage of a
+    model split by names (`TracedStage`: its graphs read every parameter from one flat module, so the stage is
+    gathered whole, one unit)."""
+    return list(stage) if isinstance(stage, nn.Sequential) else []
+
+
+def _point_at(model: nn.Module, sharded: dict[int, nn.Parameter]) -> None:
+    """Every place in `model` that held a parameter now sharded (id of the old tensor -> its sharded
+    parameter) holds the sharded one: fully_shard replaces the parameters of the modules it wraps, which for a
+    model split by names are the stage's own (`TracedStage.tensors`), not the user's model's; a tied weight is
+    replaced under each of its names."""
+    for module in model.modules():
+        for name, tensor in list(module._parameters.items()):
+            if tensor is not None and id(tensor) in sharded:
+                module._parameters[name] = sharded[id(tensor)]
+
+
 def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
 
@@ -54,11 +72,13 @@ def _fsdp_modules(module: nn.Module) -> list[FSDPModule]:
 class ShardedStages:
     """This rank's stages, fully sharded over `dp_mesh` (module docstring)."""
 
-    def __init__(self, stages: list[nn.Module], dp_mesh, reshard_after_forward: bool):
+    def __init__(self, stages: list[nn.Module], dp_mesh, reshard_after_forward: bool, model: nn.Module):
         self.stages, self.reshard_after_forward = stages, reshard_after_forward
         self.gathered: dict[int, list[nn.Parameter]] = {}  # id(stage) -> its gathered parameters
+        held = [(module, name, p) for stage in stages for module in stage.modules()
+                for name, p in module._parameters.items() if p is not None]
         for stage in stages:
-            blocks = [block for block in stage if any(True for _ in block.parameters())]
+            blocks = [block for block in sharding_units(stage) if any(True for _ in block.parameters())]
             for block in blocks:
                 fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
             fully_shard(stage, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
@@ -70,6 +90,7 @@ class ShardedStages:
                 module.set_force_sum_reduction_for_comms(True)  # a plain sum: each replica scales its own part
                 module.set_gradient_divide_factor(1.0)
             self._accumulating(stage)
+        _point_at(model, {id(p): module._parameters[name] for module, name, p in held})
 
     def _accumulating(self, stage: FSDPModule) -> None:
         """Backwards that accumulate full gradients, not reduced, not the step's last (module docstring)."""

@@ -100,6 +100,11 @@ class HybridMesh:
     def group(self, dimension: str):
         return self.mesh[dimension].get_group()
 
+    def pipelines(self) -> list[list[int]]:
+        """The global ranks of every pipeline ("pp" line) of the mesh, stage by stage, in one order everywhere."""
+        lines = self.mesh.mesh.permute(0, 2, 1).reshape(-1, self.layout.pp)  # (dp, tp, pp) -> a line per (dp, tp)
+        return [[int(rank) for rank in line] for line in lines]
+
 
 _MESHES: dict[tuple, tuple[Any, Any]] = {}  # (shape, device type) -> (the default group it was made in, the mesh)
 

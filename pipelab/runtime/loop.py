@@ -32,6 +32,7 @@ from ..model.kv_cache import cached_forward
 from ..schedules.action import Action, Kind
 from ..schedules.routes import Routes
 from ..schedules.schedule import Schedule
+from . import comm_count
 from . import failure_hints as hints
 from .launcher import progress
 from .memory_observer import MemoryObserver
@@ -303,29 +304,34 @@ def run_actions(schedule: Schedule, actions: Iterable[Action], workers: dict[int
     step's (not a warm-up's, `reporting=False`)."""
     report = progress.reporter() if reporting else None
     for action in actions:
-        worker = workers[action.stage]
-        if report is not None:
-            report.waiting(schedule, action)
-        message = transport.receive(action)
-        if report is not None:
-            report.computing(action)
-        clock.begin(action, worker.device)
-        if observer is not None:  # its window inside the clock's: on a CPU no change falls outside the action
-            observer.begin(action)
-        try:
-            with worker.saved:  # a saved_tensors_hooks context: counts, and tells the observer, what autograd saves
-                out = worker.compute(action, message)
-        except PipelineError as error:
-            error.args = (f"{error}\n{marked_list(schedule, action)}", *error.args[1:])
-            raise
-        message = None  # a received gradient is used up: free it inside its action
-        if observer is not None:
-            observer.end(action)
-        clock.end(action, worker.device)
-        transport.send(action, out)
-        out = None
+        with comm_count.during(action):
+            _run_action(schedule, action, workers[action.stage], transport, clock, observer, report)
     if report is not None:
         report.step_done()
+
+
+def _run_action(schedule: Schedule, action: Action, worker: StageWorker, transport: Transport, clock,
+                observer: MemoryObserver | None, report) -> None:
+    """Receive, compute, send: one action of `run_actions`."""
+    if report is not None:
+        report.waiting(schedule, action)
+    message = transport.receive(action)
+    if report is not None:
+        report.computing(action)
+    clock.begin(action, worker.device)
+    if observer is not None:  # its window inside the clock's: on a CPU no change falls outside the action
+        observer.begin(action)
+    try:
+        with worker.saved:  # a saved_tensors_hooks context: counts, and tells the observer, what autograd saves
+            out = worker.compute(action, message)
+    except PipelineError as error:
+        error.args = (f"{error}\n{marked_list(schedule, action)}", *error.args[1:])
+        raise
+    message = None  # a received gradient is used up: free it inside its action
+    if observer is not None:
+        observer.end(action)
+    clock.end(action, worker.device)
+    transport.send(action, out)
 
 
 def marked_list(schedule: Schedule, action: Action, around: int = 6) -> str:

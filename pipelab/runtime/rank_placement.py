@@ -142,7 +142,8 @@ class RankPlacement:
         fingerprint.agree(fingerprint.cut_fields(partition, model), self.agreeing, self.device)
         device_of_stage = schedule.device_of_stage()
         self.stages = sorted(s for s, d in device_of_stage.items() if d == self.rank)
-        self.shared = SharedParameters(partition.stages, model, device_of_stage, self.group, self.rank)
+        self.shared = SharedParameters(partition.stages, model, device_of_stage, self.group, self.rank,
+                                       None if self.hybrid is None else self.hybrid.pipelines())
         keep_own_stages(model, partition.stages, self.stages, self.device)  # the other ranks' tensors: freed
         workers = make_workers(schedule, partition, self.stages, options, checkpoint, lambda s: self.device,
                                rank=self.rank)
@@ -155,7 +156,7 @@ class RankPlacement:
             for s in self.stages:  # the worker leaves its parameters' storages out of the activation bytes: the shards
                 workers[s].use_parameters([local_shard(p) for p in partition.stages[s].parameters()])
         if self.shard == "fsdp":
-            self.sharded = shard_stages(partition, self.stages, workers, self.hybrid, self.shared,
+            self.sharded = shard_stages(model, partition, self.stages, workers, self.hybrid, self.shared,
                                         self.reshard_after_forward)
         self.clock_offset, self.clock_error = estimate_offset(self.group, self.rank, self.world_size, self.device)
         return partition, workers
@@ -164,9 +165,9 @@ class RankPlacement:
         options, n_stages = self.options, schedule.n_stages
         timed = options.split_method == "time" and options.split_points is None
         if self.hybrid is not None:
-            if options.split_points is not None:
-                raise ValueError("split_points (a model split by names) runs as a plain pipeline: tensor and data "
-                                 "parallelism need pl.models' blocks and their plans")
+            if options.split_points is not None and self.layout.tp > 1:
+                raise ValueError("split_points (a model split by names) runs with data parallelism, not tensor "
+                                 "parallelism: that needs pl.models' blocks and their plans")
             if options.split_method == "time":
                 raise ValueError('split_method="time" is not supported with a hybrid layout (each pipeline would '
                                  'time its own blocks and could cut elsewhere); use "uniform", "params" or a Partition')
@@ -250,8 +251,9 @@ class RankPlacement:
     def combine(self, result, weight: float):
         """Data parallelism: grad <- Σ_r w_r · grad_r (all-reduced, or reduce-scattered into the shards under
         FSDP) and the loss Σ_r w_r · loss_r over the replicas."""
-        if self.sharded is not None:
+        if self.sharded is not None:  # then a tied weight's shards summed over the ranks that hold it
             self.sharded.reduce_gradients(weight)
+            self.shared.all_reduce_gradients()
         if self.layout.dp == 1:
             return result
         dp_group = self.hybrid.group("dp")
@@ -292,9 +294,9 @@ class RankPlacement:
     def finish(self, schedule: Schedule, transport: Transport, training: bool) -> None:
         """Every send gone; a tied weight's gradient summed over the ranks that hold it (a training step)."""
         self._for(schedule)[2].finish()
-        if training:
+        if training and self.sharded is None:  # sharded: after the reduce-scatter (`combine`)
             self.shared.all_reduce_gradients()
-        elif self.sharded is not None:  # the warm-up's gradients never count
+        elif not training and self.sharded is not None:  # the warm-up's gradients never count
             self.sharded.drop_gradients()
 
     def gather(self, schedule: Schedule, clock: ActionClock, observer: MemoryObserver, transport: Transport,
@@ -343,35 +345,31 @@ class RankPlacement:
         return buffer.cpu()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float) -> float:
-        """The global norm over the whole model (every stage and rank, tensor-parallel shards combined,
-        data-parallel replicas once, a parameter several ranks hold once: `SharedParameters.counted_here`), as
+        """The global norm over the whole model (every stage and rank, tensor-parallel and FSDP shards combined,
+        replicated data-parallel replicas once, a parameter several ranks hold once: `SharedParameters.counted_here`), as
         `torch.nn.utils.clip_grad_norm_` on the single-device model (`runtime/clipping.py`); call it on every rank."""
-        if self.sharded is not None:
-            raise ValueError('clip_grad_norm_ does not yet run with shard="fsdp" (each replica holds a different '
-                             "shard of the gradients, which the norm would have to sum over the replicas)")
         parameters = self.parameters()
+        hybrid = self.hybrid
+        counts_whole = hybrid is None or (hybrid.tp_index == 0 and (self.sharded is None or hybrid.dp_index == 0))
         with self.context():
-            parts = clipping.local_part(self.shared.counted_here(parameters), norm_type,
-                                        0 if self.hybrid is None else self.hybrid.tp_index)
-            tp_group = self.hybrid.group("tp") if self.layout.tp > 1 else None
-            norm = clipping.reduce_norm(parts, norm_type, [self.group, tp_group], self.device)
+            parts = clipping.local_part(self.shared.counted_here(parameters), norm_type, counts_whole)
+            tp_group = hybrid.group("tp") if self.layout.tp > 1 else None
+            dp_group = hybrid.group("dp") if self.sharded is not None else None  # each replica its shards
+            norm = clipping.reduce_norm(parts, norm_type, [self.group, tp_group, dp_group], self.device)
         clipping.scale(parameters, max_norm, norm)
         return norm
 
 
-def shard_stages(partition: Partition, stages: list[int], workers: dict[int, StageWorker], hybrid: HybridMesh,
-                 shared: SharedParameters, reshard_after_forward: bool) -> ShardedStages:
+def shard_stages(model: nn.Module, partition: Partition, stages: list[int], workers: dict[int, StageWorker],
+                 hybrid: HybridMesh, shared: SharedParameters, reshard_after_forward: bool) -> ShardedStages:
     """shard="fsdp": this rank's stages fully sharded over "dp" (`fsdp_stages.py`); each worker differentiates
     (split backward) and leaves out of its activation bytes the gathered weights, runs W with them gathered, and
     fuses no accumulation (FSDP accumulates into the gathered weights' `.grad` itself)."""
     if hybrid.layout.tp > 1:
         raise ValueError('shard="fsdp" does not yet run with tensor parallelism (tensor_parallel > 1): use '
                          "tensor_parallel=1, or shard=None")
-    if shared.ranks:
-        raise ValueError(f'shard="fsdp" does not yet run with parameters shared by stages on several ranks (tied: '
-                         f"{', '.join(shared.ranks)}): their gradients are summed over those ranks before FSDP "
-                         "reduce-scatters them; use shard=None")
-    sharded = ShardedStages([partition.stages[s] for s in stages], hybrid.mesh["dp"], reshard_after_forward)
+    sharded = ShardedStages([partition.stages[s] for s in stages], hybrid.mesh["dp"], reshard_after_forward, model)
+    shared.use(dict(model.named_parameters(remove_duplicate=False)))
     for s in stages:
         worker = workers[s]
         worker.use_parameters(sharded.gathered_parameters(partition.stages[s]))

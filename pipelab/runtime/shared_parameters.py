@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import comm_count
+from .hybrid import local_shard
 from .step import shared_parameters
 
 
@@ -29,8 +30,12 @@ class SharedParameters:
     created collectively, in the same order everywhere)."""
 
     def __init__(self, stages: list[nn.Module], model: nn.Module, device_of_stage: dict[int, int], group,
-                 rank: int):
-        global_ranks = dist.get_process_group_ranks(group)
+                 rank: int, pipelines: list[list[int]] | None = None):
+        """`pipelines`: the global ranks of every pipeline in the world, in stage order, the same list on every
+        rank (a hybrid layout's "pp" lines: `HybridMesh.pipelines`); default the one pipeline of `group`.  A
+        process group is made by every rank of the world together, so each rank makes every pipeline's."""
+        pipelines = pipelines if pipelines is not None else [dist.get_process_group_ranks(group)]
+        mine = dist.get_process_group_ranks(group)
         self.rank = rank
         params = dict(model.named_parameters())
         self.entries: list[tuple[str, nn.Parameter, object]] = []  # (name, parameter, group of its ranks)
@@ -40,9 +45,14 @@ class SharedParameters:
             if len(ranks) < 2:  # stages of one rank: one tensor, autograd sums its uses
                 continue
             self.ranks[name] = ranks
-            subgroup = dist.new_group([global_ranks[r] for r in ranks])
-            if rank in ranks:
-                self.entries.append((name, params[name], subgroup))
+            for line in pipelines:
+                subgroup = dist.new_group([line[r] for r in ranks])
+                if line == mine and rank in ranks:
+                    self.entries.append((name, params[name], subgroup))
+
+    def use(self, parameters: dict[str, nn.Parameter]) -> None:
+        """The shared parameters are now these tensors ({name in the model: parameter}): FSDP's sharded ones."""
+        self.entries = [(name, parameters[name], group) for name, _, group in self.entries]
 
     def counted_here(self, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
         """`parameters` (this rank's) less the shared ones a lower rank also holds: what this rank adds to a
@@ -54,12 +64,13 @@ class SharedParameters:
 
     def all_reduce_gradients(self) -> None:
         """Sum each shared parameter's gradient over the ranks that hold it (a rank whose uses got no gradient
-        adds zeros)."""
+        adds zeros).  Under shard="fsdp" each copy holds its replica's shard (rows i·P/d to (i+1)·P/d of every
+        copy alike): the shards are summed, and the sum of the shards is the shard of the sum."""
         for _name, parameter, group in self.entries:
             if parameter.grad is None:
                 parameter.grad = torch.zeros_like(parameter)
             with comm_count.label("tied"):
-                dist.all_reduce(parameter.grad, group=group)
+                dist.all_reduce(local_shard(parameter.grad), group=group)
 
 
 def keep_own_stages(model: nn.Module, stages: list[nn.Module], own: list[int], device: torch.device) -> None:
