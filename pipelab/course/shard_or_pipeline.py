@@ -42,7 +42,7 @@ import torch
 
 from ..model import models
 from ..model.partition import split
-from ..predict.comm_formulas import step_bytes
+from ..predict.comm_formulas import STEP_KINDS, step_bytes
 from ..predict.fsdp_formulas import fsdp_communication, state_bytes_per_rank
 from ..predict.layout import Layout
 from ..runtime.distributed import DistributedPipeline
@@ -213,30 +213,41 @@ class Found:
     sweep: dict[bool, list[tuple[int, int, int]]]  # reshard_after_forward -> [(m, counted, formula)]: gathered bytes
 
 
-def _formula_bytes(kind: str, choice: Choice, per_rank: list[dict], n_microbatches: int,
-                   bounds: list[tuple[int, int]]) -> tuple[dict[str, int], dict[str, int]]:
-    """(counted, formula) bytes of one step per kind of BYTE_KINDS, summed over the ranks."""
-    model = make_model(kind)
-    counts = [rank[choice.name]["counts"] for rank in per_rank]
-    counted_pp, formula_pp = step_bytes(counts, model, choice.layout, BATCH, n_microbatches, bounds)
-    counted = {k: sum(c[k]["bytes"] for c in counts) for k in BYTE_KINDS}
-    formula = {"pp": formula_pp["pp"], "dp": 0 if choice.shard else formula_pp["dp"],
-               "fsdp_gather": 0, "fsdp_reduce_scatter": 0}
+def predict_layout(kind: str, choice: Choice, n_microbatches: int,
+                   bounds: list[tuple[int, int]] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+    """From the formulas alone, before any run: (the model state of the fullest rank, `state_bytes_per_rank`;
+    the bytes of one step per kind of BYTE_KINDS summed over the 4 ranks: "pp" and "dp" by `step_bytes`, none
+    of "dp" under FSDP, whose gathers and reduce-scatters are `fsdp_communication`'s)."""
+    model, layout = make_model(kind), choice.layout
+    bounds = split(make_model(kind), layout.pp, "uniform").bounds if bounds is None else bounds
+    blocks = [list(model[a:b]) for a, b in bounds]
+    state = max((state_bytes_per_rank(stage, choice.dp, choice.zero) for stage in blocks),
+                key=lambda found: sum(found.values()))
+    nothing = [{k: {"bytes": 0} for k in STEP_KINDS}] * layout.world_size  # step_bytes' counted side, unused
+    _, formula = step_bytes(nothing, model, layout, BATCH, n_microbatches, bounds)
+    moved = {"pp": formula["pp"], "dp": 0 if choice.shard else formula["dp"], "fsdp_gather": 0,
+             "fsdp_reduce_scatter": 0}
     if choice.shard == "fsdp":
-        for rank in per_rank:
-            a, b = bounds[rank[choice.name]["stage"]]
-            expected = fsdp_communication(list(model[a:b]), choice.dp, n_microbatches, choice.reshard_after_forward)
+        for rank in range(layout.world_size):
+            expected = fsdp_communication(blocks[layout.coordinates(rank)[1]], choice.dp, n_microbatches,
+                                          choice.reshard_after_forward)
             for k in ("fsdp_gather", "fsdp_reduce_scatter"):
-                formula[k] += expected[k]["bytes"]
-    return counted, formula
+                moved[k] += expected[k]["bytes"]
+    return state, moved
 
 
-def _gathers_formula(kind: str, n_microbatches: int, reshard: bool) -> int:
-    """fsdp_communication's gathered bytes of one step, summed over the 4 ranks of PP2 × FSDP2."""
-    model, layout = make_model(kind), LAYOUTS[0].layout
-    bounds = split(make_model(kind), layout.pp, "uniform").bounds
-    return layout.dp * sum(fsdp_communication(list(model[a:b]), layout.dp, n_microbatches, reshard)["fsdp_gather"]
-                           ["bytes"] for a, b in bounds)
+def prediction_table(kind: str = "mlp", n_microbatches: int = 4) -> str:
+    """Per layout, what the formulas say before the run: model state per rank; bytes of one step per kind, summed
+    over the 4 ranks."""
+    lines = [f"{'layout':15} {'params':>9} {'grads':>9} {'AdamW':>9} {'state/rank':>10} | "
+             + " ".join(f"{k:>{max(len(k), 9)}}" for k in BYTE_KINDS) + f" {'moved':>10}"]
+    for choice in LAYOUTS:
+        state, moved = predict_layout(kind, choice, n_microbatches)
+        lines.append(f"{choice.name:15} " + " ".join(f"{_kb(state[k]):>9}" for k in STATE_PARTS)
+                     + f" {_kb(sum(state.values())):>10} | "
+                     + " ".join(f"{_kb(moved[k]):>{max(len(k), 9)}}" for k in BYTE_KINDS)
+                     + f" {_kb(sum(moved.values())):>10}")
+    return "\n".join(lines)
 
 
 def run(kind: str = "mlp", n_microbatches: int = 4, sweep: tuple[int, ...] = (1, 2, 4, 8), rounds: int = 5,
@@ -246,20 +257,19 @@ def run(kind: str = "mlp", n_microbatches: int = 4, sweep: tuple[int, ...] = (1,
         raise ValueError(f"n_microbatches={n_microbatches} must be one of sweep={sweep}: its counts are reused")
     per_rank = launch(on_each_rank, N_RANKS, kind, n_microbatches, tuple(sweep), rounds,
                       timeout_seconds=timeout_seconds)
-    model = make_model(kind)
+    ranks = [found["layouts"] for found in per_rank]
     layouts = {}
     for choice in LAYOUTS:
-        ranks = [found["layouts"] for found in per_rank]
         first = ranks[0][choice.name]
-        counted, formula = _formula_bytes(kind, choice, ranks, n_microbatches, first["bounds"])
-        fullest = max(range(N_RANKS), key=lambda r: sum(ranks[r][choice.name]["state"].values()))
-        a, b = first["bounds"][ranks[fullest][choice.name]["stage"]]
-        predicted = state_bytes_per_rank(list(model[a:b]), choice.dp, choice.zero)
-        layouts[choice.name] = LayoutResult(choice, ranks[fullest][choice.name]["state"], predicted,
-                                            max(r[choice.name]["gradients_in_step"] for r in ranks), counted, formula,
-                                            statistics.median(first["times"]), first["loss"])
-    sweep_rows = {reshard: [(m, sum(found["sweep"][reshard, m]["fsdp_gather"]["bytes"] for found in per_rank),
-                             _gathers_formula(kind, m, reshard)) for m in sweep] for reshard in (True, False)}
+        predicted, formula = predict_layout(kind, choice, n_microbatches, first["bounds"])
+        counted = {k: sum(rank[choice.name]["counts"][k]["bytes"] for rank in ranks) for k in BYTE_KINDS}
+        fullest = max((rank[choice.name]["state"] for rank in ranks), key=lambda state: sum(state.values()))
+        layouts[choice.name] = LayoutResult(choice, fullest, predicted,
+                                            max(rank[choice.name]["gradients_in_step"] for rank in ranks), counted,
+                                            formula, statistics.median(first["times"]), first["loss"])
+    sweep_rows = {choice.reshard_after_forward: [
+        (m, sum(found["sweep"][choice.reshard_after_forward, m]["fsdp_gather"]["bytes"] for found in per_rank),
+         predict_layout(kind, choice, m)[1]["fsdp_gather"]) for m in sweep] for choice in LAYOUTS if choice.shard}
     return Found(kind, n_microbatches, layouts, sweep_rows)
 
 
@@ -326,4 +336,5 @@ def answer(found: Found) -> str:
 
 
 __all__ = ["BYTE_KINDS", "LAYOUTS", "STATE_PARTS", "Choice", "Found", "LayoutResult", "answer", "bytes_table",
-           "make_model", "observed_state", "on_each_rank", "plot_gathers", "run", "state_table"]
+           "make_model", "observed_state", "on_each_rank", "plot_gathers", "predict_layout", "prediction_table", "run",
+           "state_table"]
