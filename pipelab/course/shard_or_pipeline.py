@@ -77,12 +77,13 @@ LAYOUTS = (Choice("PP2×FSDP2", 2, 2, "fsdp", True), Choice("PP2×FSDP2 kept", 2
            Choice("PP2×DP2", 2, 2), Choice("PP4", 1, 4))
 
 
-def make_model(kind: str):
-    """The lesson's models: an MLP of 8 blocks of width 256 (264 KB a block), or a tiny GPT."""
+def make_model(kind: str, width: int | None = None):
+    """The lesson's models: an MLP of 8 blocks of `width` (256: 263 KB a block), or a tiny GPT of 4 layers of
+    d_model = `width` (64), 16 tokens."""
     if kind == "mlp":
-        return models.mlp(depth=8, width=256, seed=0)
+        return models.mlp(depth=8, width=width or 256, seed=0)
     if kind == "gpt":
-        return models.tiny_gpt(n_layers=4, d_model=64, n_heads=4, vocab_size=128, seq_len=16, seed=0)
+        return models.tiny_gpt(n_layers=4, d_model=width or 64, n_heads=4, vocab_size=128, seq_len=16, seed=0)
     raise ValueError(f"kind={kind!r}: the lesson's models are 'mlp' and 'gpt'")
 
 
@@ -125,8 +126,8 @@ class _PeakGradients:
         return self.peak
 
 
-def _pipeline(kind: str, choice: Choice, n_microbatches: int):
-    model = make_model(kind)
+def _pipeline(kind: str, width: int | None, choice: Choice, n_microbatches: int):
+    model = make_model(kind, width)
     pipe = DistributedPipeline(model, n_microbatches=n_microbatches, schedule="1f1b",
                                loss_fn=models.default_loss(model), layout=choice.layout, shard=choice.shard,
                                reshard_after_forward=choice.reshard_after_forward)
@@ -140,14 +141,14 @@ def _train_step(pipe, optimizer, batch):
     return result
 
 
-def on_each_rank(kind: str, n_microbatches: int, sweep: tuple[int, ...], rounds: int) -> dict:
+def on_each_rank(kind: str, width: int | None, n_microbatches: int, sweep: tuple[int, ...], rounds: int) -> dict:
     """What one rank measures (module docstring): per layout its counts, state and step times; the m sweep."""
     import torch.distributed as dist
 
-    batch = models.sample_batch(make_model(kind), BATCH, seed=1)
+    batch = models.sample_batch(make_model(kind, width), BATCH, seed=1)
     runs, found = {}, {"layouts": {}, "sweep": {}}
     for choice in LAYOUTS:
-        pipe, optimizer = _pipeline(kind, choice, n_microbatches)
+        pipe, optimizer = _pipeline(kind, width, choice, n_microbatches)
         _train_step(pipe, optimizer, batch)  # warm-up, shape headers, AdamW's state
         optimizer.zero_grad(set_to_none=True)
         peak = _PeakGradients(_gradient_holders(pipe))
@@ -173,7 +174,7 @@ def on_each_rank(kind: str, n_microbatches: int, sweep: tuple[int, ...], rounds:
             if m == n_microbatches:  # counted above
                 found["sweep"][choice.reshard_after_forward, m] = found["layouts"][choice.name]["counts"]
                 continue
-            pipe, optimizer = _pipeline(kind, choice, m)
+            pipe, optimizer = _pipeline(kind, width, choice, m)
             _train_step(pipe, optimizer, batch)
             optimizer.zero_grad(set_to_none=True)
             with pipe.count_communication() as counter:
@@ -208,18 +209,19 @@ class LayoutResult:
 @dataclass
 class Found:
     kind: str
+    width: int | None
     n_microbatches: int
     layouts: dict[str, LayoutResult]
     sweep: dict[bool, list[tuple[int, int, int]]]  # reshard_after_forward -> [(m, counted, formula)]: gathered bytes
 
 
-def predict_layout(kind: str, choice: Choice, n_microbatches: int,
-                   bounds: list[tuple[int, int]] | None = None) -> tuple[dict[str, int], dict[str, int]]:
+def predict_layout(kind: str, choice: Choice, n_microbatches: int, bounds: list[tuple[int, int]] | None = None,
+                   width: int | None = None) -> tuple[dict[str, int], dict[str, int]]:
     """From the formulas alone, before any run: (the model state of the fullest rank, `state_bytes_per_rank`;
     the bytes of one step per kind of BYTE_KINDS summed over the 4 ranks: "pp" and "dp" by `step_bytes`, none
     of "dp" under FSDP, whose gathers and reduce-scatters are `fsdp_communication`'s)."""
-    model, layout = make_model(kind), choice.layout
-    bounds = split(make_model(kind), layout.pp, "uniform").bounds if bounds is None else bounds
+    model, layout = make_model(kind, width), choice.layout
+    bounds = split(make_model(kind, width), layout.pp, "uniform").bounds if bounds is None else bounds
     blocks = [list(model[a:b]) for a, b in bounds]
     state = max((state_bytes_per_rank(stage, choice.dp, choice.zero) for stage in blocks),
                 key=lambda found: sum(found.values()))
@@ -236,13 +238,13 @@ def predict_layout(kind: str, choice: Choice, n_microbatches: int,
     return state, moved
 
 
-def prediction_table(kind: str = "mlp", n_microbatches: int = 4) -> str:
+def prediction_table(kind: str = "mlp", n_microbatches: int = 4, width: int | None = None) -> str:
     """Per layout, what the formulas say before the run: model state per rank; bytes of one step per kind, summed
     over the 4 ranks."""
     lines = [f"{'layout':15} {'params':>9} {'grads':>9} {'AdamW':>9} {'state/rank':>10} | "
              + " ".join(f"{k:>{max(len(k), 9)}}" for k in BYTE_KINDS) + f" {'moved':>10}"]
     for choice in LAYOUTS:
-        state, moved = predict_layout(kind, choice, n_microbatches)
+        state, moved = predict_layout(kind, choice, n_microbatches, width=width)
         lines.append(f"{choice.name:15} " + " ".join(f"{_kb(state[k]):>9}" for k in STATE_PARTS)
                      + f" {_kb(sum(state.values())):>10} | "
                      + " ".join(f"{_kb(moved[k]):>{max(len(k), 9)}}" for k in BYTE_KINDS)
@@ -251,17 +253,17 @@ def prediction_table(kind: str = "mlp", n_microbatches: int = 4) -> str:
 
 
 def run(kind: str = "mlp", n_microbatches: int = 4, sweep: tuple[int, ...] = (1, 2, 4, 8), rounds: int = 5,
-        timeout_seconds: float = 240) -> Found:
+        width: int | None = None, timeout_seconds: float = 240) -> Found:
     """Every layout of LAYOUTS and the m sweep on one launch of 4 gloo ranks (module docstring)."""
     if n_microbatches not in sweep:
         raise ValueError(f"n_microbatches={n_microbatches} must be one of sweep={sweep}: its counts are reused")
-    per_rank = launch(on_each_rank, N_RANKS, kind, n_microbatches, tuple(sweep), rounds,
+    per_rank = launch(on_each_rank, N_RANKS, kind, width, n_microbatches, tuple(sweep), rounds,
                       timeout_seconds=timeout_seconds)
     ranks = [found["layouts"] for found in per_rank]
     layouts = {}
     for choice in LAYOUTS:
         first = ranks[0][choice.name]
-        predicted, formula = predict_layout(kind, choice, n_microbatches, first["bounds"])
+        predicted, formula = predict_layout(kind, choice, n_microbatches, first["bounds"], width)
         counted = {k: sum(rank[choice.name]["counts"][k]["bytes"] for rank in ranks) for k in BYTE_KINDS}
         fullest = max((rank[choice.name]["state"] for rank in ranks), key=lambda state: sum(state.values()))
         layouts[choice.name] = LayoutResult(choice, fullest, predicted,
@@ -269,8 +271,9 @@ def run(kind: str = "mlp", n_microbatches: int = 4, sweep: tuple[int, ...] = (1,
                                             formula, statistics.median(first["times"]), first["loss"])
     sweep_rows = {choice.reshard_after_forward: [
         (m, sum(found["sweep"][choice.reshard_after_forward, m]["fsdp_gather"]["bytes"] for found in per_rank),
-         predict_layout(kind, choice, m)[1]["fsdp_gather"]) for m in sweep] for choice in LAYOUTS if choice.shard}
-    return Found(kind, n_microbatches, layouts, sweep_rows)
+         predict_layout(kind, choice, m, width=width)[1]["fsdp_gather"]) for m in sweep]
+        for choice in LAYOUTS if choice.shard}
+    return Found(kind, width, n_microbatches, layouts, sweep_rows)
 
 
 def _kb(n: int) -> str:
