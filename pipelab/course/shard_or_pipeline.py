@@ -312,6 +312,7 @@ def plot_gathers(found: Found):
         ax.scatter(ms, [c / 1e6 for c in counted], color=style, marker="o", zorder=3, label=f"{label}: counted")
     ax.set_xlabel("micro-batches m")
     ax.set_ylabel("MB gathered per step")
+    ax.set_ylim(bottom=0)
     ax.set_xticks(ms)
     ax.set_title("FSDP's all-gathers, summed over the 4 ranks")
     ax.legend(fontsize=8)
