@@ -73,8 +73,9 @@ LESSONS: tuple[Lesson, ...] = (
            "speed-up vs p and m, the m >= 4p rule, GPipe's Table 2 beside your numbers",
            '2.2'),
     Lesson('08', '08_pp_and_tp_can_be_mixed.ipynb', '"PP and TP can\'t be mixed"',
-           'PP × TP × DP on local processes, same loss as one device; bytes of each kind; what TP does to activations',
-           "column- and row-parallel Linears, Megatron's f and g and the scatter/gather at a stage boundary, drawn and computed rank by rank; PP×TP, PP×DP, TP×DP on 4 processes and PP×TP×DP on 8, each with the single-device loss and gradients; one transformer layer written by hand, its saved bytes against Korthikanti et al.'s sbh·(10 + 24/t + 5as/(ht)); the payload of each kind handed to c10d, counted from the real calls beside the formulas; the bubble at a fixed global batch, (p−1)·b·d/B, against the simulator; the layouts of real runs; a widget over (dp, pp, tp) on 16 devices",
+           'PP × TP × DP on local processes, same loss as one device; bytes of each kind; what TP does to activations; '
+           'pipeline it or shard it (FSDP2)',
+           "column- and row-parallel Linears, Megatron's f and g and the scatter/gather at a stage boundary, drawn and computed rank by rank; PP×TP, PP×DP, TP×DP on 4 processes and PP×TP×DP on 8, each with the single-device loss and gradients; one transformer layer written by hand, its saved bytes against Korthikanti et al.'s sbh·(10 + 24/t + 5as/(ht)); the payload of each kind handed to c10d, counted from the real calls beside the formulas; the bubble at a fixed global batch, (p−1)·b·d/B, against the simulator; the layouts of real runs; a widget over (dp, pp, tp) on 16 devices; pipeline it, or shard it: PP2×FSDP2, PP2×DP2 and PP4 on 4 processes, model state per rank observed against ZeRO's table, FSDP's gathers against m, step times",
            '4.2 column- and row-parallel linear (`tensor_parallel.py`)'),
     Lesson('09', '09_deeper_is_not_better.ipynb', '"Deeper pipelines are better"',
            'throughput, bubble, memory and messages as p grows',

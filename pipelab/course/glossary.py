@@ -376,13 +376,14 @@ TOPICS: tuple[tuple[str, tuple[Term, ...]], ...] = (
              "per parameter with mixed-precision Adam (ZeRO §3); pipeline and tensor parallelism divide it by p "
              "and t, ZeRO-3 (FSDP) by d.",
              "13 1. Very large models", "01 4. The text's advantages: why pipelines suit deep models",
-             "14 Sharding beside pipelining"),
+             "08 9. Pipeline it, or shard it?", "14 Sharding beside pipelining"),
         term("ZeRO and fully sharded data parallelism (FSDP)", "ZeRO 與全分片數據並行（FSDP）",
              "Data-parallel ranks that shard the model state instead of each keeping all of it (Rajbhandari et "
              "al. 2020): ZeRO-1 the optimizer state, ZeRO-2 the gradients too, ZeRO-3 (FSDP) the parameters too, "
              "16Ψ/d a device. Pipelines combine easily with ZeRO-1 only: sharded gradients would be "
-             "reduce-scattered once per micro-batch, not once per step.",
-             "14 Sharding beside pipelining"),
+             "reduce-scattered once per micro-batch, not once per step (pipelab's FSDP2 stages hold full "
+             "gradients until one reduce-scatter).",
+             "08 9. Pipeline it, or shard it?", "14 Sharding beside pipelining"),
         term("activations of a transformer layer", "每層激活值（Korthikanti 公式）",
              "What one layer keeps for its backward at 16 bits (Korthikanti et al. 2022): sbh·(34 + 5as/h) bytes; "
              "under t-way tensor parallelism sbh·(10 + 24/t + 5as/(ht)), the 10 (layer norms, their outputs, two "
