@@ -87,7 +87,8 @@ def run_sharded(cases: list[tuple]) -> dict:
                                "held": {"parameters": _local_bytes(parameters),
                                         "gradients": _local_bytes(p.grad for p in parameters),
                                         "optimizer": _local_bytes(states)},
-                               "records": [(r.kind, r.bytes, r.microbatch) for r in counter.records]})
+                               "records": [(r.kind, r.bytes, r.microbatch) for r in counter.records],
+                               "gathers_per_microbatch": counter.per_microbatch("fsdp_gather")})
     try:
         pl.DistributedPipeline(make_model(), n_microbatches=2, loss_fn=torch.nn.MSELoss(), layout=LAYOUT,
                                shard="zero4")

@@ -130,6 +130,8 @@ def check_counts(per_rank):
                     gathers[mb] = gathers.get(mb, 0) + size
             want = {i: actions * shard for i in range(m)} if reshard else {0: shard}
             assert gathers == want, f"{where}: gathered bytes per micro-batch {gathers}, formula {want}"
+            per_microbatch = {mb: entry["bytes"] for mb, entry in case["gathers_per_microbatch"].items()}
+            assert per_microbatch == want, f"{where}: counter.per_microbatch {per_microbatch}, formula {want}"
             assert {mb for k, _, mb in case["records"] if k == "fsdp_reduce_scatter"} == {None}, where
     # by hand, stage 0 (4 blocks of 16·16 + 16 = 272 float32 parameters, 1088 bytes; a rank holds 544), 1F1B m=3
     # resharding: 4 blocks · 2 · 3 = 24 gathers of 544 bytes; 4 reduce-scatters given 1088 bytes each

@@ -99,15 +99,6 @@ def observed_state(pipe: DistributedPipeline, optimizer: torch.optim.Optimizer) 
             "optimizer": _bytes(states)}
 
 
-def _gradient_holders(pipe: DistributedPipeline) -> list[torch.Tensor]:
-    """The tensors a backward accumulates into: under FSDP the gathered (unsharded) parameters the stage computes
-    with (`runtime/fsdp_stages.py`, `ShardedStages.gathered`), else the parameters themselves."""
-    sharded = getattr(pipe.placement, "sharded", None)
-    if sharded is None:
-        return pipe.parameters()
-    return [p for found in sharded.gathered.values() for p in found]
-
-
 class _PeakGradients:
     """The most gradient bytes held at once during a step: after every accumulation, all holders' .grad summed."""
 
@@ -151,7 +142,7 @@ def on_each_rank(kind: str, width: int | None, n_microbatches: int, sweep: tuple
         pipe, optimizer = _pipeline(kind, width, choice, n_microbatches)
         _train_step(pipe, optimizer, batch)  # warm-up, shape headers, AdamW's state
         optimizer.zero_grad(set_to_none=True)
-        peak = _PeakGradients(_gradient_holders(pipe))
+        peak = _PeakGradients(pipe.accumulating_parameters())
         with pipe.count_communication() as counter:
             result = pipe.step(*batch)
         in_step = peak.remove()

@@ -95,6 +95,15 @@ class DistributedPipeline(Engine):
         """Bytes of the parameters this rank holds (its shards under tensor parallelism or shard="fsdp")."""
         return sum(local_shard(p).numel() * p.element_size() for p in self.parameters())
 
+    def accumulating_parameters(self) -> list[torch.Tensor]:
+        """The tensors a step's backwards accumulate gradients into: under shard="fsdp" the gathered (whole)
+        parameters FSDP computes with, whose `.grad` holds the stage's whole gradient until the step's one
+        reduce-scatter (`runtime/fsdp_stages.py`); otherwise the parameters themselves."""
+        sharded = self.placement.sharded
+        if sharded is None:
+            return self.parameters()
+        return [p for found in sharded.gathered.values() for p in found]
+
     def gradients(self) -> dict[str, torch.Tensor]:
         """{parameter name in `model`: its full gradient} for this rank's stage(s), on the CPU; under tensor
         parallelism gathered over "tp", under shard="fsdp" over "dp" (a collective: call it on every rank), rows
