@@ -6,7 +6,10 @@ One launch of 4 ranks does it all, in a chain whose every link starts from a che
     B  PP2 × FSDP2 (seed 99, lr 5.0): loads "sharded", its 3rd step
     C  plain PP4 (seed 99, lr 5.0): loads "sharded", its 3rd step, saved as "plain"
     D  PP2 × FSDP2 (seed 99, lr 5.0): loads "plain", its 4th step; then an optimizer built over the model's
-       parameters before the pipeline sharded them is refused
+       parameters before the pipeline sharded them is refused, and so is loading the state of an optimizer
+       not shaped like its parameters (`RowNorms`)
+    E  PP2 × DP2 replicated (seed 99, lr 5.0): loads "sharded", its 3rd step, saved as "replicated" (both
+       replicas hold every tensor of their stage: it is written once)
 
 Each rank returns its stage's parameters and AdamW state gathered whole (`DTensor.full_tensor()`);
 the test compares them with the checkpoint read into one plain model and with plain torch.
@@ -42,6 +45,19 @@ def adamw(parameters, lr: float = LR):
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     """A new batch for each step (so that a step's loss depends on the optimizer's state, not only on the weights)."""
     return [pl.models.sample_batch(make_model(), BATCH, seed=10 + step) for step in range(SAVED_AFTER + 2)]
+
+
+class RowNorms(torch.optim.Optimizer):
+    """A toy optimizer whose state is not shaped like its parameter: a matrix's row norms (it changes nothing)."""
+
+    def __init__(self, parameters):
+        super().__init__(parameters, {"lr": LR})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["row_norms"] = p.norm(dim=-1) if p.dim() > 1 else p.abs()
 
 
 def pipeline(model, **layout):
@@ -121,4 +137,20 @@ def save_and_load(root: str) -> dict:
         pipe.save_checkpoint(root / "stale", stale)
     except pl.CheckpointError as error:
         found["stale optimizer"] = str(error)
+    norms = RowNorms(pipe.parameters())
+    norms.step()
+    pipe.save_checkpoint(root / "row-norms", norms)  # (DCP writes any DTensor)
+    try:
+        pipe.load_checkpoint(root / "row-norms", RowNorms(pipe.parameters()))
+    except pl.CheckpointError as error:
+        found["row norms"] = str(error)
+
+    model = make_model(seed=99)  # E
+    pipe = pipeline(model, layout=LAYOUT)
+    optimizer = adamw(pipe.parameters(), lr=5.0)
+    pipe.load_checkpoint(root / "sharded", optimizer)
+    found["replicated loaded"] = gathered(model, optimizer)
+    found["replicated"] = step(pipe, optimizer, data[SAVED_AFTER])
+    pipe.save_checkpoint(root / "replicated", optimizer)
+    found["replicated saved"] = gathered(model, optimizer)
     return found

@@ -202,3 +202,31 @@ def test_an_optimizer_built_before_the_pipeline_sharded_the_model_is_refused(run
         assert "the optimizer holds a parameter of shape (127, 127) that is not in the model" in message, message
         assert "build the optimizer after the pipeline, from pipe.parameters()" in message, message
     assert not any(path.name.startswith("stale") for path in root.iterdir())
+
+
+def test_a_replicated_pipeline_reads_it_and_writes_its_own_once(run, reference):
+    """PP2 × DP2 without sharding: every rank reads its stage whole; its checkpoint, written by all four ranks
+    over the mesh, holds each tensor once and reads back into one model."""
+    ranks, root = run
+    assert_state_equal(merged(ranks, "replicated loaded"), merged(ranks, "saved"), "loaded by PP2 × DP2")
+    assert all(found["replicated"] == ranks[0]["replicated"] for found in ranks)
+    assert ranks[0]["replicated"] == pytest.approx(reference["losses"][SAVED_AFTER], rel=1e-6)
+    saved = merged(ranks, "replicated saved")
+    assert_close_to(saved["parameters"], reference["after"][SAVED_AFTER], "PP2 × DP2 vs one device, after AdamW")
+
+    metadata = FileSystemReader(root / "replicated").read_metadata()
+    assert all(len(entry.chunks) == 1 for entry in metadata.state_dict_metadata.values()
+               if hasattr(entry, "chunks")), "a replicated tensor written twice"
+    model = cases.make_model(seed=99)
+    optimizer = cases.adamw(model.parameters(), lr=5.0)
+    checkpoint.load_into_model(model, root / "replicated", optimizer)
+    assert_state_equal(state(model, optimizer), saved, "PP2 × DP2's checkpoint read into one model")
+
+
+def test_an_optimizer_state_not_shaped_like_its_sharded_parameter_is_refused(run):
+    ranks, _ = run
+    for found in ranks:  # each rank names the first weight of its stage
+        message, first = found["row norms"], {0: "0.0.weight", 1: "4.0.weight"}[found["coordinates"][1]]
+        assert f"the optimizer state 'row_norms' of {first}" in message, message
+        assert "has shape (127,), neither its sharded parameter's (127, 127) nor a number's" in message, message
+        assert "use an optimizer whose state has its parameters' shapes" in message, message

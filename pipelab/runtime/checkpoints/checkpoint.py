@@ -5,7 +5,8 @@ bytes are; rank 0 writes it) and one `.distcp` file per rank (`path/__0_0.distcp
 ranks writing at once.  Its keys are names in the *full* model, never a stage or a rank
 (`model.<name>`, `optim.state.<name>.<key>`, `optim.param_groups.<name>.<key>`: torch's
 flattened optimizer state dict), so any layout reads it back: each rank asks for the names
-of its own blocks, one process with the whole model for all of them.
+of its own blocks, one process with the whole model for all of them.  Under a hybrid layout every rank of
+the mesh writes together, and a `shard="fsdp"` rank writes and reads only its rows of each tensor (`sharded.py`).
 
 A checkpoint is whole or refused.  A save writes into a new directory beside `path`
 (`<path>.tmp-<id>`, the id chosen by rank 0), and once every rank's files are complete rank 0
@@ -469,19 +470,20 @@ def _empty_optimizer_state(model: nn.Module, optimizer, saved: dict, path) -> di
             state_keys = [f"state.{name}.{key}" for key in keeps] if was else []
             for key in saved_by_name[("param_groups", name)] + state_keys:
                 entry = saved[f"optim.{key}"]
-                wanted[key] = _target(entry, param, key, path) if _is_tensor_entry(entry) else None  # (None: a
-    return wanted  # number, read as such)
+                # (None: a number, read as such)
+                wanted[key] = _target(entry, param, name, key, path) if _is_tensor_entry(entry) else None
+    return wanted
 
 
-def _target(entry, param: torch.Tensor, key: str, path) -> torch.Tensor:
-    """The empty tensor DCP fills with the saved optimizer state `key` of `param` (a DTensor laid out as a
-    sharded parameter: `sharded.empty_like_saved`)."""
+def _target(entry, param: torch.Tensor, name: str, key: str, path) -> torch.Tensor:
+    """The empty tensor DCP fills with the saved optimizer state `key` of the parameter `name` (a DTensor laid out
+    as the parameter where it is sharded: `sharded.empty_like_saved`)."""
     found = sharded.empty_like_saved(entry.size, entry.properties.dtype, param)
     if found is None:
-        raise CheckpointError(f"the optimizer state {key} in the checkpoint at {path} has shape {tuple(entry.size)}, "
-                              f"neither its sharded parameter's {tuple(param.shape)} nor a number's: pipelab cannot "
-                              "lay it out over the replicas; use an optimizer whose state has its parameters' shapes "
-                              "(Adam, AdamW, SGD), or shard=None")
+        raise CheckpointError(f"the optimizer state {key.rpartition('.')[2]!r} of {name} in the checkpoint at {path} "
+                              f"has shape {tuple(entry.size)}, neither its sharded parameter's {tuple(param.shape)} "
+                              "nor a number's: pipelab cannot lay it out over the replicas; use an optimizer whose "
+                              "state has its parameters' shapes (Adam, AdamW, SGD with momentum), or shard=None")
     return found
 
 
