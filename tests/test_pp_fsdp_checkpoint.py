@@ -1,9 +1,10 @@
 """Checkpoints of a PP2 × FSDP2 pipeline (gloo, 4 ranks): each rank writes its shards of the parameters and
 of AdamW's moments with DCP, under the full model's names, and any layout reads them back.
 
-One launch (`fsdp_checkpoint_cases.save_and_load`, links A to D of its docstring) saves a sharded
+One launch (`fsdp_checkpoint_cases.save_and_load`, links A to E of its docstring) saves a sharded
 checkpoint after 2 AdamW steps and reads it into a fresh sharded pipeline, into a plain 4-stage
-pipeline, and the 4-stage pipeline's own checkpoint back into a sharded one.  The tests below
+pipeline and into a replicated PP2 × DP2 one, and the 4-stage pipeline's own checkpoint back into a
+sharded one; two optimizers are refused with words that say what to do.  The tests below
 compare what the ranks gathered (`DTensor.full_tensor()`) with the checkpoint read into one plain
 model (`load_into_model`), with one another (exactly: the same arithmetic), and with plain torch
 on one device (the whole batch at once, no pipelab: within rounding).
