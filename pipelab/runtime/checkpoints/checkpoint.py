@@ -5,7 +5,8 @@ bytes are; rank 0 writes it) and one `.distcp` file per rank (`path/__0_0.distcp
 ranks writing at once.  Its keys are names in the *full* model, never a stage or a rank
 (`model.<name>`, `optim.state.<name>.<key>`, `optim.param_groups.<name>.<key>`: torch's
 flattened optimizer state dict), so any layout reads it back: each rank asks for the names
-of its own blocks, one process with the whole model for all of them.
+of its own blocks, one process with the whole model for all of them.  Under a hybrid layout every rank of
+the mesh writes together, and a `shard="fsdp"` rank writes and reads only its rows of each tensor (`sharded.py`).
 
 A checkpoint is whole or refused.  A save writes into a new directory beside `path`
 (`<path>.tmp-<id>`, the id chosen by rank 0), and once every rank's files are complete rank 0
@@ -39,11 +40,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from ...common.errors import PipelineError
 from ...predict.budget import format_bytes
 from . import manifest as checkpoint_manifest
+from . import sharded
 from .manifest import DamagedCheckpoint
+
+# an optimizer built from the model's parameters before the pipeline sharded them
+_REPLACED = (" (shard=\"fsdp\" and tensor parallelism replace the model's parameters with sharded ones, DTensors: "
+             "build the optimizer after the pipeline, from pipe.parameters())")
 
 # hyper-parameters that name the parameters of a group: they belong to one layout, so they are not saved
 _GROUP_KEYS_NOT_SAVED = ("params", "param_names")
@@ -93,7 +100,7 @@ def save(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None 
     (`pl.Pipeline`, its `group` None) writes the same checkpoint alone.
     """
     _check_pipeline(pipe, "save")
-    target, group = Path(os.path.abspath(path)), pipe.group
+    target, group = Path(os.path.abspath(path)), sharded.group_of(pipe)
     lead, made, committed = _rank(group) == 0, [], False
     state: dict[str, Any] = {}
 
@@ -143,7 +150,7 @@ def load(pipe, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None 
     `extra`: {name: a value of the kind saved}, filled in place with what `save(..., extra=)` wrote.
     """
     _check_pipeline(pipe, "load")
-    _load(pipe.model, path, optimizer, pipe.group, extra)
+    _load(pipe.model, path, optimizer, sharded.group_of(pipe), extra)
 
 
 def load_into_model(model: nn.Module, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -392,7 +399,8 @@ def _names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[tuple[dic
         for param in group["params"]:
             if param not in name_of:
                 raise CheckpointError(f"the optimizer holds a parameter of shape {tuple(param.shape)} that is "
-                                      "not in the model; build it from the model's (or the pipeline's) parameters")
+                                      "not in the model; build it from the model's (or the pipeline's) parameters"
+                                      + _REPLACED * (not isinstance(param, DTensor) and sharded.is_sharded(model)))
             if param.device.type == "meta":
                 raise CheckpointError(f"the optimizer holds {name_of[param]}, a parameter this rank does not keep; "
                                       "build it from pipe.parameters()")
@@ -445,8 +453,8 @@ def _empty_optimizer_state(model: nn.Module, optimizer, saved: dict, path) -> di
                                       "optimizer=); load it without an optimizer")
     expected = _state_keys(model, optimizer)
     wanted = {}
-    for _group, names in _names(model, optimizer):
-        for name in names:
+    for group, names in _names(model, optimizer):
+        for name, param in zip(names, group["params"]):
             if ("param_groups", name) not in saved_by_name:
                 raise CheckpointMismatchError(f"the checkpoint at {path} has no optimizer state for {name}: was "
                                               "that parameter left out of the optimizer when it was saved?")
@@ -462,9 +470,21 @@ def _empty_optimizer_state(model: nn.Module, optimizer, saved: dict, path) -> di
             state_keys = [f"state.{name}.{key}" for key in keeps] if was else []
             for key in saved_by_name[("param_groups", name)] + state_keys:
                 entry = saved[f"optim.{key}"]
-                wanted[key] = (torch.empty(entry.size, dtype=entry.properties.dtype)
-                               if _is_tensor_entry(entry) else None)  # (None: a number, read as such)
+                # (None: a number, read as such)
+                wanted[key] = _target(entry, param, name, key, path) if _is_tensor_entry(entry) else None
     return wanted
+
+
+def _target(entry, param: torch.Tensor, name: str, key: str, path) -> torch.Tensor:
+    """The empty tensor DCP fills with the saved optimizer state `key` of the parameter `name` (a DTensor laid out
+    as the parameter where it is sharded: `sharded.empty_like_saved`)."""
+    found = sharded.empty_like_saved(entry.size, entry.properties.dtype, param)
+    if found is None:
+        raise CheckpointError(f"the optimizer state {key.rpartition('.')[2]!r} of {name} in the checkpoint at {path} "
+                              f"has shape {tuple(entry.size)}, neither its sharded parameter's {tuple(param.shape)} "
+                              "nor a number's: pipelab cannot lay it out over the replicas; use an optimizer whose "
+                              "state has its parameters' shapes (Adam, AdamW, SGD with momentum), or shard=None")
+    return found
 
 
 def _state_keys(model: nn.Module, optimizer) -> dict[str, list[str] | None]:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from .checkpoint import CheckpointError, CheckpointMismatchError
+from .sharded import group_of
 
 NAME = re.compile(r"^step-(\d{6})$")
 DAMAGED = re.compile(r"^step-(\d{6})\.damaged-")
@@ -89,8 +90,8 @@ class CheckpointFolder:
     def _agreed_newest(self, pipe) -> tuple[tuple[int, Path] | None, list[str]]:
         """The newest checkpoint and the damaged ones, as rank 0 sees them (every rank then reads the same)."""
         found = [(self.newest(), self.damaged()) if _lead(pipe) else None]
-        if pipe.group is not None:
-            dist.broadcast_object_list(found, group=pipe.group, group_src=0)
+        if group_of(pipe) is not None:
+            dist.broadcast_object_list(found, group=group_of(pipe), group_src=0)
         return found[0]
 
     def _set_aside(self, pipe, path: Path, error: CheckpointError) -> None:
@@ -100,9 +101,11 @@ class CheckpointFolder:
             path.rename(aside)
             warnings.warn(f"the newest checkpoint does not load ({error}); set aside as {aside.name}, reading the one "
                           "before it", stacklevel=3)
-        if pipe.group is not None:
-            dist.barrier(group=pipe.group)
+        if group_of(pipe) is not None:
+            dist.barrier(group=group_of(pipe))
 
 
 def _lead(pipe) -> bool:
-    return pipe.group is None or dist.get_rank(pipe.group) == 0
+    """Rank 0 of the ranks that write the pipeline's checkpoints (one, under a hybrid layout's several replicas)."""
+    group = group_of(pipe)
+    return group is None or dist.get_rank(group) == 0
