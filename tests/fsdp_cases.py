@@ -89,6 +89,13 @@ def run_sharded(cases: list[tuple]) -> dict:
                                         "optimizer": _local_bytes(states)},
                                "records": [(r.kind, r.bytes, r.microbatch) for r in counter.records],
                                "gathers_per_microbatch": counter.per_microbatch("fsdp_gather")})
+    try:  # a limit below what a rank holds: the refusal counts the shards, the gathered blocks, the whole gradient
+        model = make_model()
+        pipe = pl.DistributedPipeline(model, n_microbatches=4, schedule="1f1b", loss_fn=pl.models.default_loss(model),
+                                      layout=LAYOUT, shard="fsdp", memory_limit_bytes=10_000)
+        pipe.step(*make_batch("mlp", model))
+    except pl.MemoryBudgetError as error:
+        found["over_limit"] = str(error)
     try:
         pl.DistributedPipeline(make_model(), n_microbatches=2, loss_fn=torch.nn.MSELoss(), layout=LAYOUT,
                                shard="zero4")

@@ -252,3 +252,22 @@ def test_stages_freed_to_meta_count_the_same(small):
     before = pl.device_memory(parts, schedule, [100, 100], optimizer=adam)
     parts.stages[1].to("meta")
     assert pl.device_memory(parts, schedule, [100, 100], optimizer=adam) == before
+
+
+@pytest.mark.parametrize("schedule, reshard", [("1f1b", True), ("1f1b", False), ("zb-h1", True)])
+def test_a_sharded_stage_holds_its_shards_what_it_gathers_and_the_whole_gradient(schedule, reshard):
+    """shard="fsdp" over d = 2: by hand for stage 0 of mlp(depth=8, width=16) (4 blocks of 16·16 + 16 floats,
+    B = 1088 bytes each, P = 4B, a rank's shard P/2): parameters P/2 + the two blocks gathered (computing and
+    prefetched), or the whole stage kept gathered or under a split backward (W runs with it gathered);
+    gradients the whole accumulated P + the reduce-scatter's P/2; AdamW's two moments of the shard, P."""
+    model = pl.models.mlp(depth=8, width=16, seed=1)
+    block = linear_bytes(16, 16)
+    whole, shard = 4 * block, 2 * block
+    sched = pl.schedules.by_name(schedule, n_stages=2, n_microbatches=4)
+    sharded = pl.device_memory(pl.split(model, 2), sched, optimizer="adamw", sharded_over=2,
+                               reshard_after_forward=reshard)[0]
+    gathered = 2 * block if reshard and schedule == "1f1b" else whole
+    assert (sharded.parameter_bytes, sharded.gradient_bytes, sharded.optimizer_bytes) == (
+        shard + gathered, whole + shard, 2 * shard)
+    plain = pl.device_memory(pl.split(model, 2), sched, optimizer="adamw")[0]
+    assert (plain.parameter_bytes, plain.gradient_bytes, plain.optimizer_bytes) == (whole, whole, 2 * whole)

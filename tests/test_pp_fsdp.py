@@ -70,6 +70,8 @@ def test_pp2_fsdp2_equals_one_device_for_gpipe_1f1b_and_zb_h1():
             assert len(holders["transformer.wte.weight"]) == 2 * LAYOUT.dp, where
     check_state_bytes(per_rank)
     check_counts(per_rank)
+    for rank, found in enumerate(per_rank):  # stage 0: P/2 + 2 blocks = 4.25 KiB, P + P/2 = 6.38 KiB, P = 4.25 KiB
+        assert "parameters 4.2 KiB, gradients 6.4 KiB, optimizer 4.2 KiB" in found["over_limit"], found["over_limit"]
     message = per_rank[0]["bad_shard"]
     assert "shard='zero4'" in message and 'shard="fsdp"' in message and "shard=None" in message
     for found in per_rank:

@@ -42,8 +42,10 @@ from torch import nn
 from ..model.partition import Partition
 from ..schedules import one_f_one_b
 from ..schedules.pipedream import versions_in_flight
+from ..schedules.action import Kind
 from ..schedules.schedule import Schedule
 from .costs import Costs
+from .fsdp_formulas import sharded_bytes, step_state_bytes
 from .memory import checkpoint_plan
 from .simulate import simulate
 
@@ -139,7 +141,8 @@ def check_limit(limit_bytes: Any, n_devices: int) -> list[float]:
 
 def device_memory(partition: Partition | Sequence[nn.Module], schedule: Schedule,
                   activations: Costs | float | Sequence[float] | None = None, optimizer: Any = "adam",
-                  checkpoint: str | list[bool] = "never") -> list[DeviceMemory]:
+                  checkpoint: str | list[bool] = "never", sharded_over: int = 1,
+                  reshard_after_forward: bool = True) -> list[DeviceMemory]:
     """What each device of `schedule` holds in one training step (module docstring), one `DeviceMemory` each.
 
     `partition`: a `pl.split` result (or its stages), one stage per stage of `schedule`.  `activations`:
@@ -147,6 +150,9 @@ def device_memory(partition: Partition | Sequence[nn.Module], schedule: Schedule
     (`Costs.memory_bytes`: a number, or one per stage), or None (not predicted, counted as 0).
     `optimizer`: a rule name (`OPTIMIZER_RULES`), a torch optimizer, its class, or `optimizer(params)`.
     `checkpoint`: as in `pl.Pipeline` ("never", "always", "except_last" or one bool per stage).
+    `sharded_over=d` (shard="fsdp" over d replicas): parameters, gradients and optimizer state as a rank holds
+    them during a step (`fsdp_formulas.step_state_bytes`: P/d + what is gathered, the whole gradient, 1/d of
+    the optimizer's state).
     """
     stages = list(partition.stages if isinstance(partition, Partition) else partition)
     _check_schedule(schedule)
@@ -164,7 +170,10 @@ def device_memory(partition: Partition | Sequence[nn.Module], schedule: Schedule
         trainable = [p for p in params if p.requires_grad] if training else []
         state, rule = _optimizer_bytes(optimizer, trainable) if training else (0, "")
         stashed = sum((versions[s] - 1) * _nbytes(_unique(list(stages[s].parameters()))) for s in own)
-        needs.append(DeviceMemory(device, own, _nbytes(params), _nbytes(trainable), state,
+        held = _nbytes(params), _nbytes(trainable), state
+        if sharded_over > 1:
+            held = _sharded(held, [stages[s] for s in own], sharded_over, reshard_after_forward, schedule)
+        needs.append(DeviceMemory(device, own, *held,
                                   None if peaks is None else int(peaks[device]), stashed,
                                   _nbytes(_unique([b for s in own for b in stages[s].buffers()])), rule))
     return needs
@@ -172,16 +181,17 @@ def device_memory(partition: Partition | Sequence[nn.Module], schedule: Schedule
 
 def check_memory_budget(partition: Partition | Sequence[nn.Module], schedule: Schedule, limit_bytes: Any,
                         activations: Costs | float | Sequence[float] | None = None, optimizer: Any = "adam",
-                        checkpoint: str | list[bool] = "never") -> list[DeviceMemory]:
+                        checkpoint: str | list[bool] = "never", **sharding) -> list[DeviceMemory]:
     """Raise `MemoryBudgetError` (a ValueError) when a device needs more than its limit; else return the needs.
 
     The message names the device most over its limit (by needs / limit), each part, the limit, and what
     to try, the remedy for the largest part first: activations -> checkpointing, fewer micro-batches in
-    flight (1F1B instead of GPipe); parameters, gradients, optimizer -> more stages.
+    flight (1F1B instead of GPipe); parameters, gradients, optimizer -> more stages.  `sharding`: device_memory's
+    `sharded_over` and `reshard_after_forward` (shard="fsdp").
     """
     _check_schedule(schedule)
     limits = check_limit(limit_bytes, schedule.n_devices)
-    needs = device_memory(partition, schedule, activations, optimizer, checkpoint)
+    needs = device_memory(partition, schedule, activations, optimizer, checkpoint, **sharding)
     over = sorted((n for n in needs if n.total_bytes > limits[n.device]),
                   key=lambda n: n.total_bytes / limits[n.device], reverse=True)
     if not over:
@@ -251,6 +261,18 @@ def _suggestions(need: DeviceMemory, schedule: Schedule, activations, plan: list
     if need.activation_bytes >= need.model_state_bytes:
         return for_activations + [more_stages]
     return [more_stages] + for_activations
+
+
+def _sharded(held: tuple[int, int, int], stages: list[nn.Module], d: int, reshard_after_forward: bool,
+             schedule: Schedule) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer) of a rank's `stages` under shard="fsdp" over d replicas, from the
+    whole `held` (`fsdp_formulas.step_state_bytes`; the optimizer's state scaled by the shards' share)."""
+    parameters, gradients, optimizer = held
+    splits = any(a.kind == Kind.W for row in schedule.actions for a in row)
+    steps = [step_state_bytes(stage, d, reshard_after_forward, splits, states=0) for stage in stages]
+    shard = sum(sharded_bytes(stage, d) for stage in stages)
+    return (sum(x["parameters"] for x in steps), sum(x["gradients"] for x in steps) if gradients else 0,
+            round(optimizer * shard / parameters) if parameters else 0)
 
 
 def _optimizer_bytes(optimizer: Any, params: list[torch.Tensor]) -> tuple[int, str]:

@@ -27,12 +27,27 @@ an optimizer keeping `states` tensors the size of each parameter (AdamW: exp_avg
 
 Inside a step, pipelab (as torch's pipelining) accumulates each micro-batch's *full* gradient
 and reduce-scatters once at the end, so a stage holds P of gradients until then, whatever the
-stage: the reason DeepSpeed's pipeline engine refuses ZeRO-2 and -3.
+stage: the reason DeepSpeed's pipeline engine refuses ZeRO-2 and -3.  Bytes a rank holds during
+a step under shard="fsdp" (`step_state_bytes`; `budget.device_memory` with `sharded_over=d`):
+
+    parameters   P/d + the gathered units: the whole stage P when kept gathered
+                 (reshard_after_forward=False) or under a split backward (W runs with the stage
+                 gathered, `runtime/fsdp_stages.py`), else the stage's own parameters outside its
+                 blocks + the two largest blocks (the one computing, the one prefetched)
+    gradients    P (the accumulated whole) + P/d (the reduce-scatter's output beside it)
+    optimizer    states·P/d
 """
 
 from __future__ import annotations
 
 from torch import nn
+
+
+def sharding_units(stage: nn.Module) -> list[nn.Module]:
+    """The blocks of a stage that FSDP gathers one at a time: a `Sequential`'s blocks; none for a stage of a
+    model split by names (`TracedStage`: its graphs read every parameter from one flat module, so the stage is
+    gathered whole, one unit)."""
+    return list(stage) if isinstance(stage, nn.Sequential) else []
 
 
 def sharded_bytes(block: nn.Module, d: int) -> int:
@@ -72,3 +87,19 @@ def state_bytes_per_rank(blocks: list[nn.Module], d: int, zero: int, states: int
     shard = sum(sharded_bytes(b, d) for b in blocks)
     return {"parameters": shard if zero >= 3 else whole, "gradients": shard if zero >= 2 else whole,
             "optimizer": states * (shard if zero >= 1 else whole)}
+
+
+def _bytes(module: nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def step_state_bytes(stage: nn.Module, d: int, reshard_after_forward: bool, splits_backward: bool,
+                     states: int = 2) -> dict[str, int]:
+    """{"parameters", "gradients", "optimizer"}: the most bytes a rank holds of `stage`'s model state during a
+    step under shard="fsdp" (module docstring); P counted from the parameters' whole shapes (a DTensor's too)."""
+    whole, shard = _bytes(stage), sharded_bytes(stage, d)
+    blocks = sorted((_bytes(b) for b in sharding_units(stage)), reverse=True)
+    gathered = whole
+    if reshard_after_forward and not splits_backward and blocks:
+        gathered = min(whole, whole - sum(blocks) + sum(blocks[:2]))
+    return {"parameters": shard + gathered, "gradients": whole + shard, "optimizer": states * shard}

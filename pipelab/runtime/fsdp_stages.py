@@ -34,6 +34,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from ..predict.fsdp_formulas import sharding_units
+
 SHARDINGS = (None, "fsdp")
 
 
@@ -45,13 +47,6 @@ def check_shard(shard, reshard_after_forward) -> None:
                          "gradients and optimizer state over them with torch's fully_shard (FSDP2, ZeRO-3)")
     if not isinstance(reshard_after_forward, bool):
         raise TypeError(f"reshard_after_forward must be True or False, got {reshard_after_forward!r}")
-
-
-def sharding_units(stage: nn.Module) -> list[nn.Module]:
-    """The blocks of a stage that FSDP gathers one at a time: a `Sequential`'s blocks; none for a stage of a
-    model split by names (`TracedStage`: its graphs read every parameter from one flat module, so the stage is
-    gathered whole, one unit)."""
-    return list(stage) if isinstance(stage, nn.Sequential) else []
 
 
 def _point_at(model: nn.Module, sharded: dict[int, nn.Parameter]) -> None:

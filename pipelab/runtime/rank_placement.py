@@ -332,8 +332,10 @@ class RankPlacement:
         """Before the first step: this rank's parameters, gradients and optimizer state against its limit (a rank
         holds only its own stages, so activations are not predicted); what its activations may then take."""
         limits = driver.memory_limits
+        sharding = {} if self.sharded is None else dict(sharded_over=self.layout.dp,
+                                                        reshard_after_forward=self.reshard_after_forward)
         needs = check_memory_budget(self.partition, driver.schedule, limits, None, driver.memory_optimizer,
-                                    driver.checkpoint)
+                                    driver.checkpoint, **sharding)
         return {self.rank: limits[self.rank] - needs[self.rank].model_state_bytes}
 
     def from_last_stage(self, tokens: torch.Tensor | None, rows: int, width: int) -> torch.Tensor:
