@@ -188,3 +188,18 @@ def test_the_lessons_two_cases():
     assert slow["pipelining"].step_seconds < slow["ZeRO-3"].step_seconds
     assert slow["ZeRO-3"].seconds["dp_gather"] > slow["pipelining"].seconds["bubble"]
     assert "nothing of it fits" in sharding_lesson.placement_table(sharding_lesson.plan_placements(25)[1])
+
+
+def test_pipelab_plan_tries_every_zero_stage_unless_told(capsys):
+    from pipelab.commands import cli
+
+    args = ["plan", "--layers", "24", "--hidden", "2048", "--heads", "16", "--devices", "8", "--memory-gib", "40",
+            "--batch", "8", "--rows", "3"]
+    assert cli.main(args) == 0
+    first = capsys.readouterr().out.splitlines()[3].split()
+    assert first[4] == "1"  # ZeRO-1 on the best row: whole model states do not beat it here
+    assert cli.main(args + ["--sharding", "0"]) == 0
+    assert {line.split()[4] for line in capsys.readouterr().out.splitlines()[3:6]} == {"0"}
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args + ["--sharding", "0,4"])
+    assert exit_.value.code == 2 and "ZeRO stages 0..3" in capsys.readouterr().err
