@@ -148,7 +148,8 @@ def test_zero_memory_is_consistent_with_fsdp_formulas_on_a_real_model():
 
 def test_the_default_plans_no_sharding_and_the_settings_say_which():
     kwargs = dict(inside=FAST, between=FAST)
-    default, explicit = pl.plan(MODEL, 4, 4, LIMIT, 8, **kwargs), pl.plan(MODEL, 4, 4, LIMIT, 8, sharding=(0,), **kwargs)
+    default = pl.plan(MODEL, 4, 4, LIMIT, 8, **kwargs)
+    explicit = pl.plan(MODEL, 4, 4, LIMIT, 8, sharding=(0,), **kwargs)
     assert {r.zero for r in default.rows + default.over_limit} == {0}
     assert default.settings["sharding"] == (0,) and planned(4, 8, FAST).settings["sharding"] == (0, 1, 2, 3)
     assert [r.step_seconds for r in default.rows] == [r.step_seconds for r in explicit.rows]
