@@ -4,6 +4,7 @@ the named ones.
 
     pipelab plan --sc21 145.6B                       # a row of Megatron-LM SC21 Table 1, its cluster and batch
     pipelab plan --layers 24 --hidden 2048 --heads 16 --devices 16 --per-node 8 --memory-gib 40 --batch 512
+    pipelab plan --sc21 145.6B --sharding 0                # ZeRO 0..3 over dp are tried unless told otherwise
     pipelab search --stages 4 --microbatches 8 --forward 1 --backward 1 --weight 1 --memory-limit 6
 """
 
@@ -15,6 +16,7 @@ import sys
 from ..predict.costs import Costs
 from ..predict.planner import plan as make_plan
 from ..predict.schedule_search import search_schedule
+from ..predict.sharding import ZERO_STAGES, check_sharding
 from ..predict.transformer_memory import RECOMPUTE, SC21_CLUSTER, SC21_TABLE_1, SCHEDULES, TransformerSpec
 
 DEFAULTS = {"layers": 24, "hidden": 2048, "heads": 16, "seq": 2048, "vocab": 51200, "devices": 8, "per_node": 8,
@@ -52,6 +54,16 @@ def positive_ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def zero_stages(text: str) -> tuple[int, ...]:
+    """"0,1,3" -> (0, 1, 3): ZeRO stages over the data-parallel replicas."""
+    try:
+        return check_sharding(tuple(int(x) for x in text.split(",")))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected ZeRO stages 0..3 separated by commas, like 0,1,3 (0: none, 1: "
+                                         f"optimizer states, 2: + gradients, 3: + parameters, FSDP2); got {text!r}") \
+            from None
+
+
 def names(allowed: tuple[str, ...]):
     def parse(text: str) -> tuple[str, ...]:
         chosen = tuple(x.strip() for x in text.split(",") if x.strip())
@@ -82,6 +94,8 @@ def add_plan_arguments(planner: argparse.ArgumentParser) -> None:
                          help="micro-batch sizes to try (default 1,2,4,8)")
     planner.add_argument("--schedules", type=names(SCHEDULES), default=SCHEDULES, help=",".join(SCHEDULES))
     planner.add_argument("--recompute", type=names(RECOMPUTE), default=RECOMPUTE, help=",".join(RECOMPUTE))
+    planner.add_argument("--sharding", type=zero_stages, default=ZERO_STAGES,
+                         help="ZeRO stages to try over dp (default 0,1,2,3; 0: no sharding, pl.plan's default)")
     planner.add_argument("--rows", type=positive, default=10, help="rows to print")
     planner.add_argument("--all-rows", action="store_true", help="every configuration, not the best per layout")
 
@@ -104,7 +118,7 @@ def plan_command(args: argparse.Namespace) -> int:
         spec = TransformerSpec(value["layers"], value["hidden"], value["heads"], value["seq"], value["vocab"])
         found = make_plan(spec, value["devices"], value["per_node"], value["memory"], value["batch"], value["inside"],
                           value["between"], value["flops"], args.achieved, micro_batch_sizes=args.micro_batches,
-                          schedules=args.schedules, recompute=args.recompute)
+                          schedules=args.schedules, recompute=args.recompute, sharding=args.sharding)
     except (ValueError, TypeError) as error:
         print(f"pipelab plan: {error}", file=sys.stderr)
         return 2

@@ -13,7 +13,10 @@ busiest stage, from the row's own `seconds` (planner.py's module docstring):
     compute = m·(C_F + C_B),  C_F : C_B = F : (2F + R)      F, R: the stage's forward and recomputed FLOPs
     tp      = m·(2 + 2·k)·(L/p)·AR                          k = 2 with full recomputation, else 1
     pp      = m·2·v·msg
-    T_F = C_F + tp·1/(2 + 2k)·1/m + pp/(2m),   T_B = (compute + tp + pp)/m − T_F,   T_W = weight_share·2·C_F
+    gathers = m·j·g                                         ZeRO-3's all-gathers before each computing action,
+                                                            j = 2 (F, B) or 3 (ZB-H1: F, I, W); else 0
+    T_F = C_F + tp·1/(2 + 2k)·1/m + pp/(2m) + g,   T_B = (compute + tp + pp + gathers)/m − T_F,
+    T_W = weight_share·2·C_F + g
 
 so that `simulate` of the named schedule on those costs, plus the row's data-parallel all-reduce,
 is the row's `step_seconds` (tests/test_capstone.py checks it for every schedule).
@@ -88,11 +91,12 @@ def row_timeline(spec: TransformerSpec, row: PlanRow, weight_share: float = 0.5)
              "full": layers * spec.layer_forward_flops(b)}[row.recompute]
     k = 2 if row.recompute == "full" else 1
     compute_forward = row.seconds["compute"] / m * flops / (3 * flops + again)
-    forward = compute_forward + row.seconds["tp"] / m / (1 + k) + row.seconds["pp"] / (2 * m)
-    backward = (row.seconds["compute"] + row.seconds["tp"] + row.seconds["pp"]) / m - forward
+    gather = row.seconds["dp_gather"] / (m * (3 if row.schedule == "zb-h1" else 2))  # g: 0 unless ZeRO-3
+    forward = compute_forward + row.seconds["tp"] / m / (1 + k) + row.seconds["pp"] / (2 * m) + gather
+    backward = (row.seconds["compute"] + row.seconds["tp"] + row.seconds["pp"] + row.seconds["dp_gather"]) / m - forward
     kept = layers * spec.layer_activation_bytes(b, row.layout.tp, row.recompute)
     if row.schedule == "zb-h1":
-        weight = weight_share * 2 * compute_forward
+        weight = weight_share * 2 * compute_forward + gather
         return zero_bubble_h1(p, m), Costs(forward=forward, backward=backward - weight, weight=weight,
                                           memory_bytes=kept)
     if row.schedule == "interleaved":

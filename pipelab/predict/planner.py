@@ -7,7 +7,8 @@
     found.best, found.rank_of(pl.Layout(dp=24, pp=8, tp=8))
 
 For every layout with d·p·t = n devices (`Layout.all_for`), every micro-batch size b with
-m = B/(b·d) whole micro-batches, every schedule and every recomputation option, a closed form
+m = B/(b·d) whole micro-batches, every schedule, every recomputation option and every ZeRO stage asked
+for (`sharding`, where d > 1; none by default), a closed form
 predicts one step (no simulation: a 3072-device plan has some 50,000 rows).  On the busiest
 stage (⌈L/p⌉ layers plus the output layer, which the last stage runs), per micro-batch:
 
@@ -42,16 +43,25 @@ Memory per device, the larger of the first and the last stage (ZeRO §3 for the 
 
     parameters   (⌈L/p⌉·(12h² + 13h) + V·h)/t, + s·h on the first stage (position embedding), at 16-bit
     gradients    the same bytes;  optimizer 12 bytes per parameter (fp32 copy, momentum, variance:
-                 16 bytes in all with the 2 + 2), 8 for bytes_per_value=4 (fp32 Adam);  no ZeRO sharding
+                 16 bytes in all with the 2 + 2), 8 for bytes_per_value=4 (fp32 Adam);  ZeRO below
     activations  in-flight micro-batches × ⌈L/p⌉ × one layer's bytes (Korthikanti et al. 2022, Table 2)
                  + one layer rebuilt at a time with full recomputation; in flight on the first stage:
                  GPipe m, 1F1B and ZB-H1 min(p, m), interleaved min(v·p + p − 1, v·m)/v whole-stage
                  micro-batches = p·(1 + (p−1)/(p·v)) (Megatron's warm-up count); on the last stage
                  GPipe m, 1F1B 1, interleaved ((v−1)·p + 1)/v
 
+ZeRO over the dp replicas (`sharding=(0, 1, 2, 3)`; sharding.py has the formulas and sources): each zero stage
+tried is a row where dp > 1.  During the step a device holds its parameters whole (ZeRO-3: 1/d and the largest
+block gathered), its gradients *whole* (a pipeline accumulates them over the micro-batches and reduce-scatters
+once after the drain, so ZeRO-2 saves nothing here: it equals ZeRO-1), and 1/d of the optimizer states
+(ZeRO §5, Figure 1).  ZeRO-1 and -2 move an all-reduce's bytes (ZeRO §7.1); ZeRO-3 (FSDP2, resharding after
+forward) all-gathers the stage's blocks before every action that computes, k·m times a step (k = 2, 3 for
+ZB-H1), each g = (d−1)/d·s·Ψ/bw + blocks·(d−1)·latency added to T_F and T_B, then reduce-scatters once
+(ZeRO §7.2.2's 3Ψ against 2Ψ, m-fold in a pipeline).  Rows tie-break on the lower zero stage.
+
 Left out: GEMM efficiency that grows with b unless `achieved_fraction` gives it per b (SC21 §3.4; with
-one number larger micro-batches only add bubble and memory), overlap of communication with compute, the
-tied-embedding all-reduce between first and last stage, the optimizer step's time, ZeRO's sharded states.
+one number larger micro-batches only add bubble and memory), overlap of communication with compute (FSDP's
+prefetch included), the tied-embedding all-reduce between first and last stage, the optimizer step's time.
 
 A `ProfiledModel` (profiled_model.py) replaces the closed forms of the busiest stage by its measured
 blocks: the same pipeline, message, all-reduce and memory formulas take its seconds and bytes.
@@ -69,6 +79,8 @@ from .communication import pipeline_sent, ring_allreduce_elements_per_device
 from .hybrid_costs import Link, all_reduce_seconds
 from .layout import Layout
 from .profiled_model import ProfiledModel
+from .sharding import (after_drain_bytes, after_drain_seconds, check_sharding, computing_actions, gather_seconds,
+                       state_bytes)
 from .stage_work import StageWork
 from .transformer_memory import RECOMPUTE, SCHEDULES, DeviceBytes, TransformerSpec
 
@@ -86,9 +98,10 @@ class PlanRow:
     step_seconds: float
     bubble_fraction: float  # of the ideal time m·(T_F + T_B), the closed form
     memory: DeviceBytes
-    bytes_per_kind: dict  # {"pp", "pp_gather", "tp", "dp"}: bytes the busiest device sends per step
-    seconds: dict  # {"compute", "tp", "pp", "bubble", "dp"}: where the step's time goes
+    bytes_per_kind: dict  # {"pp", "pp_gather", "tp", "dp", "dp_gather"}: bytes the busiest device sends per step
+    seconds: dict  # {"compute", "tp", "pp", "dp_gather", "bubble", "dp"}: where the step's time goes (they add up)
     reason: str = ""  # why it is over the memory limit ("" when it fits)
+    zero: int = 0  # the ZeRO stage sharding the dp replicas' model states: 0 none, 1, 2, 3 (FSDP2); sharding.py
 
     @property
     def schedule_name(self) -> str:
@@ -141,25 +154,28 @@ class Plan:
         """The fastest `n_rows` (one per layout unless per_layout=False), then what does not fit and why."""
         gib = 2**30
         shown = (self.by_layout() if per_layout else self.rows)[:n_rows]
-        head = (f"{'#':>3} {'dp':>4} {'pp':>3} {'tp':>3} {'schedule':<16} {'recompute':<9} {'b':>2} {'m':>5} "
-                f"{'step s':>9} {'bubble':>7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} "
+        head = (f"{'#':>3} {'dp':>4} {'pp':>3} {'tp':>3} {'zero':>4} {'schedule':<16} {'recompute':<9} {'b':>2} "
+                f"{'m':>5} {'step s':>9} {'bubble':>7} {'params':>7} {'grads':>7} {'optim':>7} {'activ':>7} {'total':>7} "
                 f"{'pp GiB':>7} {'tp GiB':>7} {'dp GiB':>7}")
         n_layouts = len(Layout.all_for(self.n_devices))
         lines = [(f"{len(self.rows)} configurations of {len(self.by_layout())} of the {n_layouts} layouts of "
                  f"{self.n_devices} devices fit in {format_bytes(self.memory_bytes)} per device; memory per device "
-                 "in GiB, bytes the busiest device sends per step in GiB (tp: all-reduces and pp_gather)"), head]
+                 "in GiB, bytes the busiest device sends per step in GiB (tp: all-reduces and pp_gather; dp: "
+                 "all-reduce, or ZeRO-3's gathers and reduce-scatter); zero: the ZeRO stage over dp"), head]
         for rank, r in enumerate(shown, 1):
             d, p, t = r.layout.shape
             mem, sent = r.memory, r.bytes_per_kind
-            lines.append(f"{rank:>3} {d:>4} {p:>3} {t:>3} {r.schedule_name:<16} {r.recompute:<9} {r.micro_batch_size:>2} "
-                         f"{r.n_microbatches:>5} {r.step_seconds:>9.4g} {r.bubble_fraction:>7.1%} "
+            lines.append(f"{rank:>3} {d:>4} {p:>3} {t:>3} {r.zero:>4} {r.schedule_name:<16} {r.recompute:<9} "
+                         f"{r.micro_batch_size:>2} {r.n_microbatches:>5} {r.step_seconds:>9.4g} {r.bubble_fraction:>7.1%} "
                          f"{mem.parameters / gib:>7.2f} {mem.gradients / gib:>7.2f} {mem.optimizer / gib:>7.2f} "
                          f"{mem.activations / gib:>7.2f} {mem.total / gib:>7.2f} {sent['pp'] / gib:>7.2f} "
-                         f"{(sent['tp'] + sent['pp_gather']) / gib:>7.2f} {sent['dp'] / gib:>7.2f}")
+                         f"{(sent['tp'] + sent['pp_gather']) / gib:>7.2f} "
+                         f"{(sent['dp'] + sent['dp_gather']) / gib:>7.2f}")
         over = self.layouts_over_limit()
         if over:
             lines.append(f"over the memory limit ({len(over)} layouts; the configuration needing least memory):")
-            lines += [f"  {r.layout}: {r.schedule_name}, recompute={r.recompute}, b={r.micro_batch_size}: {r.reason}"
+            lines += [f"  {r.layout}: {r.schedule_name}, recompute={r.recompute}, b={r.micro_batch_size}"
+                      f"{f', zero={r.zero}' if r.zero else ''}: {r.reason}"
                       for r in over[:n_rows]]
             if len(over) > n_rows:
                 lines.append(f"  ... and {len(over) - n_rows} more")
@@ -176,7 +192,7 @@ def plan(model: TransformerSpec | ProfiledModel, n_devices: int, devices_per_nod
          peak_flops_per_second: float | None = None, achieved_fraction: float | Mapping = 0.5,
          micro_batch_sizes: Sequence[int] = (1, 2, 4, 8), schedules: Sequence[str] = SCHEDULES,
          chunks: Sequence[int] = (2, 4), recompute: Sequence[str] = RECOMPUTE, sequence_parallel: bool = False,
-         weight_share: float = 0.5) -> Plan:
+         weight_share: float = 0.5, sharding: Sequence[int] = (0,)) -> Plan:
     """Every layout of `model` on `n_devices`, ranked by predicted step time (module docstring).
 
     `model`: a `TransformerSpec` (closed forms; needs `peak_flops_per_second`) or a `ProfiledModel` (its
@@ -186,7 +202,9 @@ def plan(model: TransformerSpec | ProfiledModel, n_devices: int, devices_per_nod
     `micro_batch_sizes`: the b to try, those that divide B/d.  `achieved_fraction`: the share of the peak
     the multiplies reach, one number, or {b: share} for every b tried, or {(b, t): share} (a t-way sharded
     layer's multiplies are smaller; measured per micro-batch size and tensor-parallel degree, as
-    `course/planner_check.py` does).  `chunks`: the v to try for the interleaved schedule.
+    `course/planner_check.py` does).  `chunks`: the v to try for the interleaved schedule.  `sharding`: the
+    ZeRO stages to try where dp > 1 (0 none, 1 optimizer states, 2 + gradients, 3 + parameters: FSDP2 with
+    reshard_after_forward=True; sharding.py), each a row; (0,) by default, as before sharding was planned.
     """
     if isinstance(model, ProfiledModel):
         micro_batch_sizes, recompute = (model.micro_batch_size,), [r for r in recompute if r != "selective"]
@@ -228,6 +246,7 @@ def plan(model: TransformerSpec | ProfiledModel, n_devices: int, devices_per_nod
                          f"{list(micro_batch_sizes)}")
     if any(isinstance(v, bool) or not isinstance(v, int) or v < 2 for v in chunks):
         raise ValueError(f"chunks (interleaved's v) must be ints >= 2, got {list(chunks)}")
+    zero_stages = check_sharding(sharding)
     inside, between = _pair(inside, "inside"), _pair(between, "between")
     speed = {key: peak_flops_per_second * fraction for key, fraction in fractions.items()}
     rows, impossible = [], []
@@ -237,19 +256,21 @@ def plan(model: TransformerSpec | ProfiledModel, n_devices: int, devices_per_nod
             impossible.append((layout, why))
             continue
         links = _links(layout, devices_per_node, inside, between)
-        found = [_row(_work(model, layout, b, name, v, rc, speed, sequence_parallel, weight_share), layout, b,
-                      global_batch // (b * layout.dp), name, v, rc, links, memory_bytes)
+        zeros = [z for z in zero_stages if layout.dp > 1 or z == 0] or [0]  # dp = 1: sharding is no sharding
+        found = [_row(work, layout, b, global_batch // (b * layout.dp), name, v, rc, links, memory_bytes, zero)
                  for b in micro_batch_sizes if (global_batch // layout.dp) % b == 0
                  for name, v in _schedules(model, layout, global_batch // (b * layout.dp), schedules, chunks)
-                 for rc in recompute]
+                 for rc in recompute
+                 for work in [_work(model, layout, b, name, v, rc, speed, sequence_parallel, weight_share)]
+                 for zero in zeros]
         if not found:
             impossible.append((layout, (f"none of the schedules {list(schedules)} applies with micro-batches of "
                                        f"{list(micro_batch_sizes)} (interleaved needs m a multiple of pp and layers a "
                                        "multiple of pp·v; ZB-H1 needs m >= pp >= 2)")))
         rows += found
-    key = lambda r: (r.step_seconds, r.memory.total, r.layout.pp * r.layout.tp)
+    key = lambda r: (r.step_seconds, r.memory.total, r.layout.pp * r.layout.tp, r.zero)
     settings = {"global_batch": global_batch, "devices_per_node": devices_per_node, "inside": inside,
-                "between": between, "flops_per_second": speed}
+                "between": between, "flops_per_second": speed, "sharding": zero_stages}
     return Plan(sorted((r for r in rows if not r.reason), key=key), sorted((r for r in rows if r.reason), key=key),
                 impossible, float(memory_bytes), n_devices, settings)
 
@@ -332,46 +353,55 @@ def _transformer_work(model: TransformerSpec, layout: Layout, b: int, schedule: 
                      boundary_bytes=model.boundary_bytes(b),
                      parameters=(body + model.seq * h + (2 * h if p == 1 else 0), body + 2 * h),
                      kept_bytes=(kept, kept), working_bytes=model.working_bytes(b, t, recompute, sequence_parallel),
-                     bytes_per_value=model.bytes_per_value)
+                     bytes_per_value=model.bytes_per_value,
+                     busiest_parameters=body + (model.seq * h + 2 * h if p == 1 else 2 * h), busiest_blocks=layers + 1,
+                     largest_block=(max(model.layer_parameters / t, model.embedding_parameters / t + model.seq * h),
+                                    max(model.layer_parameters / t, model.embedding_parameters / t + 2 * h)))
 
 
 def _row(work: StageWork, layout: Layout, b: int, m: int, schedule: str, v: int, recompute: str,
-         links: dict[str, Link], limit: float) -> PlanRow:
+         links: dict[str, Link], limit: float, zero: int = 0) -> PlanRow:
     d, p, t = layout.shape
-    boundary = work.boundary_bytes
+    boundary, size = work.boundary_bytes, work.bytes_per_value
     one_ar = all_reduce_seconds(boundary, t, links["tp"])
     ar_f, ar_b = work.all_reduces_forward, work.all_reduces_backward
     gather = 0.0 if t == 1 else ((t - 1) / t * boundary / links["tp"].bandwidth + (t - 1) * links["tp"].latency)
     message = 0.0 if p == 1 else links["pp"].latency + boundary / t / links["pp"].bandwidth + gather
-    t_f = work.forward + ar_f * one_ar + v * message
-    t_b = work.backward + ar_b * one_ar + v * message
-    pipeline = pipeline_seconds(schedule, p, m, t_f, t_b - work.weight, work.weight, v)
+    # ZeRO-3: each action that computes first all-gathers the stage's blocks over dp (sharding.py)
+    k = computing_actions(schedule)
+    fsdp = gather_seconds(work.busiest_parameters, d, work.busiest_blocks, size, links["dp"]) if zero == 3 else 0.0
+    weight = work.weight + (fsdp if k == 3 else 0.0)
+    t_f = work.forward + ar_f * one_ar + v * message + fsdp
+    t_b = work.backward + ar_b * one_ar + v * message + (k - 1) * fsdp
+    pipeline = pipeline_seconds(schedule, p, m, t_f, t_b - weight, weight, v)
     per = t_f + t_b
     bubble_seconds = pipeline - m * per
-    memory = _memory(work, p, m, schedule, v)
-    dp_seconds = all_reduce_seconds(work.parameters[0] * work.bytes_per_value, d, links["dp"])
+    memory = _memory(work, d, p, m, schedule, v, zero)
+    drained = work.busiest_parameters if zero == 3 else work.parameters[0]
+    dp_seconds = after_drain_seconds(drained, d, zero, work.busiest_blocks, size, links["dp"])
     sent = {"pp": m * v * pipeline_sent(boundary / t, p),
             "pp_gather": 0.0 if p == 1 else m * v * min(2, p - 1) * (t - 1) / t * boundary,
             "tp": m * (ar_f + ar_b) * ring_allreduce_elements_per_device(boundary, t),
-            "dp": ring_allreduce_elements_per_device(work.parameters[0] * work.bytes_per_value, d)}
+            "dp": after_drain_bytes(drained, d, zero, size),
+            "dp_gather": m * k * (d - 1) / d * work.busiest_parameters * size if zero == 3 else 0.0}
     seconds = {"compute": m * (work.forward + work.backward), "tp": m * (ar_f + ar_b) * one_ar,
-               "pp": m * 2 * v * message, "bubble": bubble_seconds, "dp": dp_seconds}
-    reason = "" if memory.total <= limit else _reason(memory, limit, layout, schedule, recompute)
+               "pp": m * 2 * v * message, "dp_gather": m * k * fsdp, "bubble": bubble_seconds, "dp": dp_seconds}
+    reason = "" if memory.total <= limit else _reason(memory, limit, layout, schedule, recompute, zero)
     return PlanRow(layout, schedule, v, recompute, b, m, pipeline + dp_seconds, bubble_seconds / (m * per), memory,
-                   sent, seconds, reason)
+                   sent, seconds, reason, zero)
 
 
-def _memory(work: StageWork, p: int, m: int, schedule: str, v: int) -> DeviceBytes:
-    """The busier of the first and the last stage's device (module docstring)."""
+def _memory(work: StageWork, d: int, p: int, m: int, schedule: str, v: int, zero: int) -> DeviceBytes:
+    """The busier of the first and the last stage's device (module docstring; ZeRO's sharding: sharding.py)."""
     size = work.bytes_per_value
     in_flight = microbatches_in_flight(schedule, p, m, v)
     optimizer = 8 if size == 4 else 12  # fp32 Adam's two moments; mixed precision's fp32 copy and both moments
-    stages = [DeviceBytes(n * size, n * size, n * optimizer, k * kept + work.working_bytes)
-              for n, k, kept in zip(work.parameters, in_flight, work.kept_bytes)]
+    stages = [DeviceBytes(*state_bytes(n, d, zero, size, optimizer, block), k * kept + work.working_bytes)
+              for n, k, kept, block in zip(work.parameters, in_flight, work.kept_bytes, work.largest_block)]
     return max(stages, key=lambda s: s.total)
 
 
-def _reason(memory: DeviceBytes, limit: float, layout: Layout, schedule: str, recompute: str) -> str:
+def _reason(memory: DeviceBytes, limit: float, layout: Layout, schedule: str, recompute: str, zero: int = 0) -> str:
     """Why a row does not fit, and what would help most (the largest part first)."""
     states = memory.parameters + memory.gradients + memory.optimizer
     if memory.activations > states:
@@ -381,4 +411,6 @@ def _reason(memory: DeviceBytes, limit: float, layout: Layout, schedule: str, re
         tip = "activations dominate: try " + ", ".join(tips)
     else:
         tip = f"model states dominate ({format_bytes(states)}): more stages or tensor parallelism"
+        if layout.dp > 1 and zero < 3:
+            tip += f", or ZeRO-3 over the dp={layout.dp} replicas (sharding=(0, 1, 2, 3))"
     return f"needs {format_bytes(memory.total)} > {format_bytes(limit)} ({memory}); {tip}"

@@ -14,7 +14,8 @@ seconds balance best (`balanced_bounds`); the busiest device (the largest sum of
     T_F = Σ forward,   T_B = Σ backward (+ Σ forward with full recomputation: the stage's forward again)
     kept per micro-batch on a device = Σ kept bytes of its blocks (full recomputation: the bytes its
     stages receive, plus the largest stage's kept bytes rebuilt at a time during a backward)
-    parameters = Σ over the blocks of the first and of the last device
+    parameters = Σ over the blocks of the first and of the last device (and of the busiest, with its
+    count of blocks and the largest block of the first and of the last: ZeRO-3's gathers, sharding.py)
 
 and the rest (bubbles, messages, data-parallel all-reduce, memory per schedule) is the planner's
 closed forms.  Only tp = 1 (a profiled block has no tensor-parallel plan) and the profiled micro-batch
@@ -106,4 +107,9 @@ class ProfiledModel:
                          all_reduces_forward=0, all_reduces_backward=0, boundary_bytes=sent,
                          parameters=(total(self.parameters, devices[0]), total(self.parameters, devices[-1])),
                          kept_bytes=(kept(devices[0]), kept(devices[-1])), working_bytes=working,
-                         bytes_per_value=self.bytes_per_value)
+                         bytes_per_value=self.bytes_per_value,
+                         busiest_parameters=total(self.parameters, devices[busiest]),
+                         busiest_blocks=max(1, sum(1 for a, b in devices[busiest] for k in range(a, b)
+                                                   if self.parameters[k])),
+                         largest_block=tuple(max((self.parameters[k] for a, b in devices[i] for k in range(a, b)),
+                                                 default=0) for i in (0, -1)))

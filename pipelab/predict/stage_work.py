@@ -21,3 +21,8 @@ class StageWork:
     kept_bytes: tuple[float, float]  # activation bytes one micro-batch leaves on the first / last device
     working_bytes: float  # rebuilt at a time during a backward with full recomputation
     bytes_per_value: int  # of parameters and gradients
+    # for ZeRO-3 (sharding.py): the busiest device's parameters and blocks (each gathered before it computes),
+    # and the largest block's parameters on the first / last device (held gathered at a time)
+    busiest_parameters: float
+    busiest_blocks: int
+    largest_block: tuple[float, float]
