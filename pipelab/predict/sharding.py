@@ -44,9 +44,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .communication import ring_allreduce_elements_per_device
+from .fsdp_formulas import ZERO_STAGES
 from .hybrid_costs import Link, all_reduce_seconds
-
-ZERO_STAGES = (0, 1, 2, 3)
 
 
 def check_sharding(stages: Sequence[int]) -> tuple[int, ...]:
