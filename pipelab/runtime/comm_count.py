@@ -38,26 +38,25 @@ _ON_DP = {**dict.fromkeys(("allgather_", "_allgather_base_", "allgather_into_ten
 
 
 @contextlib.contextmanager
-def label(kind: str):
-    """Put the communication issued inside in `kind` (whatever its group or op)."""
-    previous = getattr(_labels, "kind", None)
-    _labels.kind = kind
+def _marked(key: str, value):
+    """This thread's `key` mark set to `value` inside the block, then restored."""
+    previous = getattr(_labels, key, None)
+    setattr(_labels, key, value)
     try:
         yield
     finally:
-        _labels.kind = previous
+        setattr(_labels, key, previous)
 
 
-@contextlib.contextmanager
+def label(kind: str):
+    """Put the communication issued inside in `kind` (whatever its group or op)."""
+    return _marked("kind", kind)
+
+
 def during(action):
     """Mark the communication issued inside as `action`'s (the loop runs each action in one): a record then
     says which action and micro-batch it was issued in (`Record.action`, `Record.microbatch`)."""
-    previous = getattr(_labels, "action", None)
-    _labels.action = action
-    try:
-        yield
-    finally:
-        _labels.action = previous
+    return _marked("action", action)
 
 
 @dataclass(frozen=True)
