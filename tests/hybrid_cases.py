@@ -77,3 +77,28 @@ def tokens_over_replicas(shape: tuple) -> dict:
                                   loss_normalization="tokens", layout=Layout(*shape))
     result = pipe.step(x, y)
     return {"loss": result.loss, "grads": pipe.gradients()}
+
+
+def run_sharded(cases: list[tuple], max_norm: float) -> list[dict]:
+    """On every rank: per case (model kind, schedule, m, reshard_after_forward), PP2 × TP2 × FSDP2 (shard="fsdp"
+    over the tensor-parallel shards): two steps, then `clip_grad_norm_(max_norm)`; the norm, the loss and the
+    full clipped gradients of the second."""
+    found = []
+    for kind, schedule, m, reshard in cases:
+        model = make_model(kind)
+        x, y = pl.models.sample_batch(model, BATCH, seed=2)
+        pipe = pl.DistributedPipeline(model, n_microbatches=m, schedule=schedule, loss_fn=pl.models.default_loss(model),
+                                      layout=Layout(2, 2, 2), shard="fsdp", reshard_after_forward=reshard)
+        pipe.step(x, y)
+        for p in pipe.parameters():
+            p.grad = None
+        result = pipe.step(x, y)
+        norm = pipe.clip_grad_norm_(max_norm)
+        found.append({"loss": result.loss, "norm": norm, "grads": pipe.gradients(),
+                      "parameter_bytes": pipe.parameter_bytes()})
+    return found
+
+
+def eight_ranks(grid: list[tuple], sharded: list[tuple], max_norm: float) -> dict:
+    """One launch of 8 ranks for both: `run_layouts(grid, count=True)` and `run_sharded(sharded, max_norm)`."""
+    return {"layouts": run_layouts(grid, True), "sharded": run_sharded(sharded, max_norm)}

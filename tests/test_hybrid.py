@@ -137,19 +137,57 @@ def test_pp_tp_and_pp_dp_and_tp_dp_on_four_ranks():
     assert per_rank[0][gpt_pp_tp]["counts"]["tp"] == {"messages": 32, "bytes": 4 * 14592, "elements": 14592}
 
 
+SHARDED = [("mlp", "1f1b", 4, True), ("gpt", "gpipe", 2, False), ("gpt", "zb-h1", 4, True)]
+MAX_NORM = 0.05  # below every case's norm: clipping scales
+
+
 def test_pp_tp_dp_on_eight_ranks():
     grid = [("mlp", (2, 2, 2), "gpipe", 4), ("gpt", (2, 2, 2), "1f1b", 4), ("gpt", (2, 2, 2), "gpipe", 2)]
-    per_rank = pl.distributed.launch(cases.run_layouts, 8, grid, True, timeout_seconds=300)
+    launched = pl.distributed.launch(cases.eight_ranks, 8, grid, SHARDED, MAX_NORM, timeout_seconds=300)
+    per_rank = [found["layouts"] for found in launched]
+    check_sharded_over_tensor_parallel([found["sharded"] for found in launched])
     check_exact(grid, per_rank)
     check_counts(grid, per_rank)
     # parameter memory: a replica's ranks together hold the model once, plus (t-1) copies of what TP replicates
+    replica = sum(per_rank[rank][1]["parameter_bytes"] for rank in range(4))
+    assert replica == 4 * gpt_replica_elements()
+
+
+def check_sharded_over_tensor_parallel(per_rank):
+    """PP2 × TP2 × FSDP2 (FSDP over the tensor-parallel shards, a 2-D placement): the loss, torch's clipped norm
+    and the clipped gradients of the single device on every rank, GPipe, 1F1B and ZB-H1; the 8 ranks together
+    hold what one unsharded replica's 4 do (FSDP halves every rank's tensor-parallel share)."""
+    for c, (kind, schedule, m, reshard) in enumerate(SHARDED):
+        model = make_model(kind)
+        x, y = pl.models.sample_batch(model, BATCH, seed=2)
+        loss = pl.models.default_loss(model)(model(x), y)
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+        where = f"{kind} {schedule} m={m} reshard_after_forward={reshard}"
+        holders = {}
+        for rank, found in enumerate(per_rank):
+            case = found[c]
+            assert case["loss"] == pytest.approx(loss.item(), rel=1e-5), f"{where} rank {rank} loss"
+            assert case["norm"] == pytest.approx(norm, rel=1e-5), f"{where} rank {rank}: the clipped norm"
+            for name, grad in case["grads"].items():
+                holders.setdefault(name, []).append(rank)
+                torch.testing.assert_close(grad, dict(model.named_parameters())[name].grad, **TOLERANCE,
+                                           msg=lambda e: f"{where} rank {rank} {name}: {e}")
+        assert set(holders) == {n for n, _ in model.named_parameters()}, where
+        assert all(len(ranks) == 4 for ranks in holders.values()), where  # dp · tp ranks of the stage
+        if kind == "gpt":  # all 8 ranks hold what one unsharded replica's 4 ranks hold (test above): FSDP halves it
+            assert sum(found[c]["parameter_bytes"] for found in per_rank) == 4 * gpt_replica_elements(), where
+
+
+def gpt_replica_elements() -> int:
+    """The elements one replica's ranks (pp · tp) hold of the GPT under TP2: the model once, plus a second copy
+    of what TP replicates (all but the split projections)."""
     model = make_model("gpt")
     total = sum(p.numel() for p in model.parameters())
     sharded = sum(p.numel() for n, p in model.named_parameters()
                   if any(n.endswith(s) for s in ("qkv.weight", "qkv.bias", "proj.weight", "mlp.0.weight",
                                                  "mlp.0.bias", "mlp.2.weight")))
-    replica = sum(per_rank[rank][1]["parameter_bytes"] for rank in range(4))
-    assert replica == 4 * (total + (2 - 1) * (total - sharded))
+    return total + (2 - 1) * (total - sharded)
 
 
 def test_layout_coordinates_and_errors():

@@ -6,7 +6,8 @@ each rank adds up its own part and the parts are summed over the pipeline's rank
 parallelism a sharded gradient's part is summed over the "tp" ranks too, while a replicated one
 (a LayerNorm's weight, held whole by every tp rank) counts on tp rank 0 only; data-parallel
 replicas hold the same gradients after their all-reduce, so they are counted once (under shard="fsdp"
-each holds its shard, as FSDP2's own clipping sums them over "dp"), and so is a
+each holds its shard, as FSDP2's own clipping sums them over "dp"; a gradient's DTensor placements
+say, per mesh dimension, whether it is sharded or held alike), and so is a
 parameter several pipeline ranks hold (a tied embedding, whole on each after its all-reduce: counted on
 the lowest of them, `SharedParameters.counted_here`).  Then every
 gradient is scaled by min(1, max_norm / (norm + 1e-6)), torch's own rule.  Clipping stage by
@@ -38,38 +39,34 @@ def _part(grad: torch.Tensor, norm_type: float) -> float:
     return float(local.abs().pow(norm_type).sum())
 
 
-def local_part(parameters: list[torch.Tensor], norm_type: float, counts_whole: bool = True) -> tuple[float, float]:
-    """This rank's contribution: (over sharded gradients, over whole ones it counts): a sum of |g|^q, or a max;
-    a whole (replicated) gradient counts on one rank of those that hold it alike (`counts_whole`)."""
-    sharded, whole = [], []
-    for p in parameters:
-        if p.grad is None:
-            continue
-        is_shard = isinstance(p.grad, DTensor) and any(placement.is_shard() for placement in p.grad.placements)
-        if is_shard:
-            sharded.append(_part(p.grad, norm_type))
-        elif counts_whole:
-            whole.append(_part(p.grad, norm_type))
-    def combine(values: list[float]) -> float:
-        return max(values, default=0.0) if math.isinf(norm_type) else sum(values)
-
-    return combine(sharded), combine(whole)
+def _sharded_over(grad: torch.Tensor) -> set[str]:
+    """The mesh dimensions ("tp", "dp") whose ranks hold different pieces of `grad` (a DTensor's Shard
+    placements; FSDP over a tensor-parallel block shards on both); none for a plain tensor."""
+    if not isinstance(grad, DTensor):
+        return set()
+    names = grad.device_mesh.mesh_dim_names or ()
+    # not replicated: Shard, or FSDP's _StridedShard over a tensor-parallel shard (whose is_shard() is False)
+    return {name for name, placement in zip(names, grad.placements) if not placement.is_replicate()}
 
 
-def reduce_norm(parts: tuple[float, float], norm_type: float, groups: list, device: torch.device) -> float:
-    """The global norm from every rank's (sharded, whole) parts, reduced over the groups whose ranks hold
-    different shards (tensor-parallel "tp"; data-parallel "dp" under shard="fsdp": shards add up, a whole
-    gradient counted on one rank of them), then over the pipeline's (`groups`: [pp, then any others or None])."""
+def local_part(parameters: list[torch.Tensor], norm_type: float, coordinates: dict[str, int]) -> float:
+    """This rank's contribution, a sum of |g|^q (or a max): each gradient counted on this rank when, along
+    every dimension of `coordinates` (this rank's index on "tp", and on "dp" under shard="fsdp"), it is
+    sharded or this rank is the first (index 0) of those that hold it alike."""
+    parts = [_part(p.grad, norm_type) for p in parameters if p.grad is not None
+             and all(index == 0 for dim, index in coordinates.items() if dim not in _sharded_over(p.grad))]
+    return max(parts, default=0.0) if math.isinf(norm_type) else sum(parts)
+
+
+def reduce_norm(part: float, norm_type: float, groups: list, device: torch.device) -> float:
+    """The global norm from every rank's part, reduced over `groups` (the pipeline's, and "tp" and "dp" where
+    their ranks hold different pieces; None: left out): a sum, or a max for q = inf."""
     op = dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM
-    pp_group, *shard_groups = groups
-    both = torch.tensor(parts, dtype=torch.float64, device=device)
-    for group in shard_groups:
+    total = torch.tensor([part], dtype=torch.float64, device=device)
+    for group in groups:
         if group is not None:
-            dist.all_reduce(both, op=op, group=group)
-    dist.all_reduce(both, op=op, group=pp_group)
-    if math.isinf(norm_type):
-        return float(both.max())
-    return float(both.sum()) ** (1.0 / norm_type)
+            dist.all_reduce(total, op=op, group=group)
+    return float(total.item()) if math.isinf(norm_type) else float(total.item()) ** (1.0 / norm_type)
 
 
 def scale(parameters: list[torch.Tensor], max_norm: float, norm: float) -> None:

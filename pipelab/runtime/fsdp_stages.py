@@ -1,7 +1,8 @@
 """Fully sharded data parallelism (FSDP2) inside a pipeline stage: `pl.DistributedPipeline(..., shard="fsdp")`.
 
-Each block of this rank's stages, then the stage itself, is wrapped with torch's own
-`fully_shard` on the "dp" dimension of the ("dp", "pp", "tp") DeviceMesh: a replica keeps 1/d
+Each block of this rank's stages (after tensor parallelism split it over "tp", if any: FSDP2
+then shards the tensor-parallel shards, a 2-D placement), then the stage itself, is wrapped with
+torch's own `fully_shard` on the "dp" dimension of the ("dp", "pp", "tp") DeviceMesh: a replica keeps 1/d
 of each parameter, FSDP all-gathers a block's parameters before its forward and its backward
 and frees them after (`reshard_after_forward=True`), or keeps them gathered from the step's
 first forward to its end (`False`: one all-gather per block per step, the whole stage held).

@@ -352,12 +352,13 @@ class RankPlacement:
         `torch.nn.utils.clip_grad_norm_` on the single-device model (`runtime/clipping.py`); call it on every rank."""
         parameters = self.parameters()
         hybrid = self.hybrid
-        counts_whole = hybrid is None or (hybrid.tp_index == 0 and (self.sharded is None or hybrid.dp_index == 0))
+        coordinates = {} if hybrid is None else {"tp": hybrid.tp_index}
+        if self.sharded is not None:  # each replica its shards (replicated DP holds the same: counted once)
+            coordinates["dp"] = hybrid.dp_index
         with self.context():
-            parts = clipping.local_part(self.shared.counted_here(parameters), norm_type, counts_whole)
-            tp_group = hybrid.group("tp") if self.layout.tp > 1 else None
-            dp_group = hybrid.group("dp") if self.sharded is not None else None  # each replica its shards
-            norm = clipping.reduce_norm(parts, norm_type, [self.group, tp_group, dp_group], self.device)
+            part = clipping.local_part(self.shared.counted_here(parameters), norm_type, coordinates)
+            groups = [self.group] + [hybrid.group(dim) for dim in coordinates if getattr(self.layout, dim) > 1]
+            norm = clipping.reduce_norm(part, norm_type, groups, self.device)
         clipping.scale(parameters, max_norm, norm)
         return norm
 
@@ -365,11 +366,9 @@ class RankPlacement:
 def shard_stages(model: nn.Module, partition: Partition, stages: list[int], workers: dict[int, StageWorker],
                  hybrid: HybridMesh, shared: SharedParameters, reshard_after_forward: bool) -> ShardedStages:
     """shard="fsdp": this rank's stages fully sharded over "dp" (`fsdp_stages.py`); each worker differentiates
-    (split backward) and leaves out of its activation bytes the gathered weights, runs W with them gathered, and
+    (split backward) and leaves out of its activation bytes the gathered weights (the tensors FSDP gathers into,
+    DTensors under tensor parallelism: their own `.grad` is what FSDP reduce-scatters), runs W with them gathered, and
     fuses no accumulation (FSDP accumulates into the gathered weights' `.grad` itself)."""
-    if hybrid.layout.tp > 1:
-        raise ValueError('shard="fsdp" does not yet run with tensor parallelism (tensor_parallel > 1): use '
-                         "tensor_parallel=1, or shard=None")
     sharded = ShardedStages([partition.stages[s] for s in stages], hybrid.mesh["dp"], reshard_after_forward, model)
     shared.use(dict(model.named_parameters(remove_duplicate=False)))
     for s in stages:
